@@ -1,0 +1,170 @@
+"""Configuration: per-GEMM transform settings and the training recipes built from them.
+
+``AdaHOPConfig.from_recipe_name(name)`` gives each recipe of SPEC.md sections 4-6:
+
+==============  ===============================================================================
+recipe          what it does
+==============  ===============================================================================
+``bf16``        every GEMM in high precision (the baseline)
+``mxfp4``       naive MXFP4 on every GEMM, no transform
+``mxfp4_iht``   block Hadamard along the inner dim (IHT) on every GEMM ("MXFP4 + Hadamard")
+``tseng``       Tseng et al. 2025: random-sign Hadamard + SR on all operands of the backward
+                GEMMs, ``rceil`` scales there (nothing saturates, so SR is unbiased: the role of
+                their 3/4 pre-scaling). Their forward stays in BF16; **decision**: ours is naive
+                MXFP4, so that every recipe quantizes all three GEMMs and they compare fairly.
+``adahop_lv2``  AdaHOP: calibrate, then the strategy table; (col, col) pairs run in BF16
+``adahop_lv1``  AdaHOP with (col, col) as IHT + OE-right (less memory, the paper's Lv1)
+==============  ===============================================================================
+
+Rounding (SPEC.md section 5): RNE for X and W, SR for G, unless a recipe says otherwise. Every
+GEMM has its own ``GemmConfig`` (Hadamard size, random signs, OE k, rounding of each operand,
+scale mode), so a policy or an experiment changes one GEMM without touching the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from adahop.formats.mxfp4 import DEFAULT_BLOCK_SIZE, ROUNDINGS, SCALE_MODES, check_block_size, check_choice
+from adahop.formats.rng import check_seed
+from adahop.patterns.detect import DEFAULT_TAU, check_tau
+from adahop.policy import GEMM_MODES, GEMMS, POLICY_LEVELS, check_modes
+from adahop.transforms.hadamard import DEFAULT_HADAMARD_SIZE, check_hadamard_size
+
+BACKENDS = ("auto", "reference")
+DEFAULT_OE_K = 64
+DEFAULT_CALIBRATION_STEPS = 30
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """How one GEMM C = A B is quantized when it runs in MXFP4.
+
+    ``mode`` is used by non-adaptive recipes; adaptive ones take the mode from the policy after
+    calibration. A is the left operand (X in fprop, G in dgrad, G^T in wgrad), B the right one
+    (W^T, W, X)."""
+
+    mode: str = "iht"
+    hadamard_size: int = DEFAULT_HADAMARD_SIZE
+    random_signs: bool = False
+    oe_k: int = DEFAULT_OE_K
+    a_rounding: str = "rne"
+    b_rounding: str = "rne"
+    scale_mode: str = "even"
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    def __post_init__(self):
+        check_choice("mode", self.mode, GEMM_MODES)
+        check_hadamard_size(self.hadamard_size)
+        check_block_size(self.block_size)
+        check_choice("a_rounding", self.a_rounding, ROUNDINGS)
+        check_choice("b_rounding", self.b_rounding, ROUNDINGS)
+        check_choice("scale_mode", self.scale_mode, SCALE_MODES)
+        if not isinstance(self.random_signs, bool):
+            raise ValueError(f"random_signs must be a bool, got {self.random_signs!r}")
+        if isinstance(self.oe_k, bool) or not isinstance(self.oe_k, int) or self.oe_k < 1:
+            raise ValueError(f"oe_k must be a positive int, got {self.oe_k!r}")
+
+
+@dataclass(frozen=True)
+class AdaHOPConfig:
+    """Everything a converted layer needs to know. Build it with ``from_recipe_name``."""
+
+    recipe: str = "adahop_lv2"
+    fprop: GemmConfig = field(default_factory=GemmConfig)
+    dgrad: GemmConfig = field(default_factory=lambda: GemmConfig(a_rounding="sr"))
+    wgrad: GemmConfig = field(default_factory=lambda: GemmConfig(a_rounding="sr"))
+    # Adaptive recipes calibrate and let ``policy`` choose each GEMM's mode.
+    adaptive: bool = True
+    policy: str = "lv2"
+    # Optional replacement of the table: summary -> {fprop, dgrad, wgrad: mode} (see policy.py).
+    policy_fn: Callable[[Mapping], Mapping] | None = None
+    calibration_steps: int = DEFAULT_CALIBRATION_STEPS
+    tau: float = DEFAULT_TAU
+    backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self):
+        for gemm in GEMMS:
+            if not isinstance(getattr(self, gemm), GemmConfig):
+                raise ValueError(f"{gemm} must be a GemmConfig, got {getattr(self, gemm)!r}")
+        check_choice("policy", self.policy, POLICY_LEVELS)
+        check_choice("backend", self.backend, BACKENDS)
+        check_tau(self.tau)
+        check_seed(self.seed)
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be a bool, got {self.adaptive!r}")
+        steps = self.calibration_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"calibration_steps must be an int >= 1, got {steps!r}")
+        if not self.adaptive:
+            check_modes(self.fixed_modes())
+
+    def gemm(self, name: str) -> GemmConfig:
+        check_choice("gemm", name, GEMMS)
+        return getattr(self, name)
+
+    def fixed_modes(self) -> dict[str, str]:
+        """The per-GEMM modes of a non-adaptive recipe."""
+        return {g: self.gemm(g).mode for g in GEMMS}
+
+    def replace(self, **changes) -> "AdaHOPConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_recipe_name(cls, name: str, **overrides) -> "AdaHOPConfig":
+        """One of ``RECIPES``; keyword overrides replace fields of the result."""
+        if name not in RECIPES:
+            raise ValueError(f"unknown recipe {name!r}; known recipes: {tuple(RECIPES)}")
+        return dataclasses.replace(RECIPES[name](), **overrides)
+
+
+def _uniform(recipe: str, mode: str) -> AdaHOPConfig:
+    return AdaHOPConfig(
+        recipe=recipe,
+        fprop=GemmConfig(mode=mode),
+        dgrad=GemmConfig(mode=mode, a_rounding="sr"),
+        wgrad=GemmConfig(mode=mode, a_rounding="sr"),
+        adaptive=False,
+    )
+
+
+def bf16() -> AdaHOPConfig:
+    return _uniform("bf16", "bf16")
+
+
+def mxfp4() -> AdaHOPConfig:
+    return _uniform("mxfp4", "mxfp4")
+
+
+def mxfp4_iht() -> AdaHOPConfig:
+    return _uniform("mxfp4_iht", "iht")
+
+
+def tseng() -> AdaHOPConfig:
+    backward = GemmConfig(
+        mode="iht", random_signs=True, a_rounding="sr", b_rounding="sr", scale_mode="rceil"
+    )
+    return AdaHOPConfig(
+        recipe="tseng", fprop=GemmConfig(mode="mxfp4"), dgrad=backward, wgrad=backward, adaptive=False
+    )
+
+
+def adahop_lv2() -> AdaHOPConfig:
+    return AdaHOPConfig(recipe="adahop_lv2", policy="lv2")
+
+
+def adahop_lv1() -> AdaHOPConfig:
+    return AdaHOPConfig(recipe="adahop_lv1", policy="lv1")
+
+
+RECIPES: dict[str, Callable[[], AdaHOPConfig]] = {
+    "bf16": bf16,
+    "mxfp4": mxfp4,
+    "mxfp4_iht": mxfp4_iht,
+    "tseng": tseng,
+    "adahop_lv2": adahop_lv2,
+    "adahop_lv1": adahop_lv1,
+}

@@ -1,0 +1,87 @@
+"""Counter-based random numbers for stochastic rounding, the same bits on every backend.
+
+Stochastic rounding (SR) must be reproducible (a seed gives the same codes on the CPU reference,
+under the Triton interpreter and on the GPU) and cheap in a kernel (``tl.rand``'s Philox is 5x too
+slow for a memory-bound quantize pass, SPEC.md section 7). So each element draws its uniform from a
+stateless hash of (seed, element counter):
+
+    key = lowbias32(seed ^ lowbias32(counter >> 32))
+    r   = lowbias32((counter & 0xFFFFFFFF) ^ key)
+    u   = (r >> 8) * 2**-24                       # 24 bits, exact in float32, u in [0, 1)
+
+``lowbias32`` is Chris Wellons' 32-bit integer hash (two multiply-xorshift rounds; it passes the
+usual avalanche tests and costs a handful of integer ops). The counter of an element is its flat
+index in the quantized layout (the quantization dim moved last, padded to the block size), so a
+kernel recomputes it from its tile coordinates.
+
+All arithmetic here is on int64 tensors holding uint32 values. A 32x32-bit product can reach 2**64
+and overflow int64, so multiplications are split into 16-bit halves (each partial product < 2**48).
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+LOWBIAS32_M1 = 0x7FEB352D
+LOWBIAS32_M2 = 0x846CA68B
+U24_SCALE = 2.0**-24  # r >> 8 is a 24-bit integer; times 2**-24 is exact in float32
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for uint32 values held in int64, without int64 overflow."""
+    c_lo, c_hi = c & 0xFFFF, c >> 16
+    return (x * c_lo + (((x * c_hi) & 0xFFFF) << 16)) & MASK32
+
+
+def lowbias32(x: torch.Tensor) -> torch.Tensor:
+    """Wellons' lowbias32 hash of uint32 values held in an int64 tensor."""
+    x = x & MASK32
+    x = x ^ (x >> 16)
+    x = _mul32(x, LOWBIAS32_M1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, LOWBIAS32_M2)
+    x = x ^ (x >> 16)
+    return x
+
+
+def check_seed(seed: int) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MASK32:
+        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+    return seed
+
+
+def uniform_from_counter(counter: torch.Tensor, seed: int) -> torch.Tensor:
+    """Uniform float32 in [0, 1) with 24 random bits per element, a pure function of
+    (seed, counter). ``counter`` is an int64 tensor of non-negative element indices."""
+    check_seed(seed)
+    counter = counter.to(torch.int64)
+    key = lowbias32(lowbias32(counter >> 32) ^ seed)
+    r = lowbias32((counter & MASK32) ^ key)
+    return (r >> 8).to(torch.float32) * U24_SCALE
+
+
+def _lowbias32_int(x: int) -> int:
+    x &= MASK32
+    x ^= x >> 16
+    x = (x * LOWBIAS32_M1) & MASK32
+    x ^= x >> 15
+    x = (x * LOWBIAS32_M2) & MASK32
+    x ^= x >> 16
+    return x
+
+
+def mix_seeds(*values: int) -> int:
+    """Derive a 32-bit seed from several non-negative ints (config seed, layer id, call counter,
+    GEMM and operand index): a chain of lowbias32 over each value's 32-bit words."""
+    h = 0x9E3779B9  # golden-ratio start, so mix_seeds() of zeros is not zero
+    for v in values:
+        v = int(v)
+        if v < 0:
+            raise ValueError(f"mix_seeds takes non-negative ints, got {v}")
+        while True:
+            h = _lowbias32_int(h ^ (v & MASK32))
+            v >>= 32
+            if v == 0:
+                break
+    return h

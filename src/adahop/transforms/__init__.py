@@ -1,0 +1,19 @@
+"""Hadamard transforms (imports only formats)."""
+
+from adahop.transforms.hadamard import (
+    DEFAULT_HADAMARD_SIZE,
+    HADAMARD_SIZES,
+    block_hadamard,
+    hadamard_matrix,
+    inverse_block_hadamard,
+    random_signs,
+)
+
+__all__ = [
+    "DEFAULT_HADAMARD_SIZE",
+    "HADAMARD_SIZES",
+    "block_hadamard",
+    "hadamard_matrix",
+    "inverse_block_hadamard",
+    "random_signs",
+]
