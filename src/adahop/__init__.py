@@ -1,0 +1,38 @@
+"""adahop: LLM training with MXFP4 GEMMs at BF16 quality (AdaHOP, arXiv 2604.02525).
+
+Layers, bottom to top: formats (MXFP4) -> transforms (Hadamard) -> patterns (detection,
+calibration) -> policy (strategy tables) -> config -> ops (dispatch: reference today) -> linear
+(autograd Function + module) -> convert -> modes_io / demo.
+"""
+
+from adahop.config import RECIPES, AdaHOPConfig, GemmConfig
+from adahop.convert import adahop_layers, convert_to_adahop_training, finish_calibration, is_calibrated
+from adahop.formats.mxfp4 import MXFP4Tensor, dequantize_mxfp4, fake_quantize_mxfp4, quantize_mxfp4
+from adahop.linear import AdaHOPLinear
+from adahop.modes_io import load_modes, save_modes
+from adahop.patterns.detect import detect_outlier_pattern
+from adahop.policy import modes_from_patterns
+from adahop.transforms.hadamard import block_hadamard, inverse_block_hadamard
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RECIPES",
+    "AdaHOPConfig",
+    "AdaHOPLinear",
+    "GemmConfig",
+    "MXFP4Tensor",
+    "adahop_layers",
+    "block_hadamard",
+    "convert_to_adahop_training",
+    "dequantize_mxfp4",
+    "detect_outlier_pattern",
+    "fake_quantize_mxfp4",
+    "finish_calibration",
+    "inverse_block_hadamard",
+    "is_calibrated",
+    "load_modes",
+    "modes_from_patterns",
+    "quantize_mxfp4",
+    "save_modes",
+]

@@ -113,6 +113,13 @@ class AdaHOPConfig:
     def replace(self, **changes) -> "AdaHOPConfig":
         return dataclasses.replace(self, **changes)
 
+    def with_gemm_settings(self, **changes) -> "AdaHOPConfig":
+        """The same config with ``changes`` (GemmConfig fields, e.g. ``oe_k=8``) applied to all
+        three GEMMs."""
+        return dataclasses.replace(
+            self, **{g: dataclasses.replace(self.gemm(g), **changes) for g in GEMMS}
+        )
+
     @classmethod
     def from_recipe_name(cls, name: str, **overrides) -> "AdaHOPConfig":
         """One of ``RECIPES``; keyword overrides replace fields of the result."""

@@ -1,0 +1,379 @@
+"""The AdaHOP linear layer: the three GEMMs of ``y = x w^T`` with a mode each.
+
+Shapes (suffixes name the dims): x_TK activation (T tokens, K in features), w_NK weight, g_TN
+output gradient, y_TN output, dx_TK, dw_NK.
+
+    GEMM 1 fprop  y_TN  = x_TK  @ w_NK^T     contraction K
+    GEMM 2 dgrad  dx_TK = g_TN  @ w_NK       contraction N
+    GEMM 3 wgrad  dw_NK = g_TN^T @ x_TK      contraction T
+
+Each GEMM runs in one of the modes of ``policy.GEMM_MODES``:
+
+* ``bf16``: high precision (the layer's compute dtype: bf16 under autocast, else x's dtype);
+* ``mxfp4``: both operands MXFP4 along the contraction dim, no transform;
+* ``iht``: block Hadamard along the contraction dim, then MXFP4 (``(A H)(H^T B) = A B``);
+* ``iht+oe_left``: the k rows of A with the largest L2 norm go to a high-precision GEMM
+  (``C[idx, :] = A[idx, :] B``), the rest (those rows zeroed) through IHT + MXFP4;
+* ``iht+oe_right``: the same for the k columns of B (``C[:, idx] = A B[:, idx]``).
+
+What the forward saves for the backward: x quantized along T (packed 4-bit + scales, Hadamard
+already applied: this is the activation-memory saving), or x itself where wgrad runs in bf16, plus
+the k high-precision columns of x where wgrad uses OE-right (chosen in the forward from x's
+column norms). The weight is re-quantized along N in the backward from the parameter, which is
+alive anyway: saving a second quantized copy would cost memory for nothing.
+
+During calibration (adaptive recipes, training mode, grad enabled) every GEMM runs in high
+precision while x and w are classified in the forward and g in the backward; after
+``calibration_steps`` backward passes the layer votes its patterns, the policy picks the modes,
+and they are frozen (and saved in the state_dict as extra state).
+"""
+
+from __future__ import annotations
+
+import warnings
+import zlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from adahop.config import AdaHOPConfig, GemmConfig
+from adahop.formats.mxfp4 import MXFP4Tensor
+from adahop.formats.rng import mix_seeds
+from adahop.ops.backends import get_backend
+from adahop.ops.operand import OperandSpec
+from adahop.patterns.calibration import LayerCalibration, observe_tensor
+from adahop.policy import GEMMS, check_modes, table_policy
+
+EXTRA_STATE_VERSION = 1
+GEMM_INDEX = {g: i for i, g in enumerate(GEMMS)}
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """One GEMM of one call: its mode and, for MXFP4 modes, how each operand is quantized."""
+
+    mode: str
+    a: OperandSpec | None
+    b: OperandSpec | None
+    oe_k: int
+
+    @property
+    def quantized(self) -> bool:
+        return self.mode != "bf16"
+
+
+def make_gemm_plan(mode: str, cfg: GemmConfig, *, sr_seeds: tuple[int, int], signs_seed: int) -> GemmPlan:
+    if mode == "bf16":
+        return GemmPlan(mode, None, None, cfg.oe_k)
+    iht = mode.startswith("iht")
+    common = dict(
+        block_size=cfg.block_size,
+        scale_mode=cfg.scale_mode,
+        hadamard_size=cfg.hadamard_size if iht else None,
+        signs_seed=signs_seed if (iht and cfg.random_signs) else None,
+    )
+    a = OperandSpec(rounding=cfg.a_rounding, sr_seed=sr_seeds[0], **common)
+    b = OperandSpec(rounding=cfg.b_rounding, sr_seed=sr_seeds[1], **common)
+    return GemmPlan(mode, a, b, cfg.oe_k)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    fprop: GemmPlan
+    dgrad: GemmPlan
+    wgrad: GemmPlan
+    backend: object
+    layer: "AdaHOPLinear | None" = None  # set while calibrating: receives the observations
+
+
+def topk_outer(t: torch.Tensor, outer_dim: int, k: int) -> torch.Tensor:
+    """Indices (sorted) of the k slices of 2-D ``t`` along ``outer_dim`` with the largest L2 norm
+    over the other dim (float32; k clamped to the dim)."""
+    norms = t.to(torch.float32).square().sum(dim=1 - outer_dim)
+    k = min(k, norms.numel())
+    return torch.topk(norms, k, sorted=False).indices.sort().values
+
+
+def _mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=None, b_cols_hp=None, b_cols_idx=None, out_dtype):
+    """C = A @ B with A given as 2-D ``a`` (contraction along ``a_dim``) and B's transpose as 2-D
+    ``b`` (contraction along ``b_dim``): the NT form. OE slices are chosen, zeroed, computed in
+    high precision and written over the MXFP4 result (whose zeroed slices are exactly 0).
+
+    ``a_hp(rows)`` / ``b_hp`` give the high-precision matrices for OE; for wgrad's OE-right the
+    saved columns come in ``b_cols_hp`` with their indices ``b_cols_idx``."""
+    rows_idx = cols_idx = None
+    if plan.mode == "iht+oe_left":
+        rows_idx = topk_outer(a, 1 - a_dim, plan.oe_k)
+    elif plan.mode == "iht+oe_right" and b_cols_idx is None:
+        cols_idx = topk_outer(b, 1 - b_dim, plan.oe_k)
+    a_q = backend.quantize(a, a_dim, plan.a, zero_outer=rows_idx)
+    b_q = b if isinstance(b, MXFP4Tensor) else backend.quantize(b, b_dim, plan.b, zero_outer=cols_idx)
+    c = backend.mm_nt(a_q, b_q, out_dtype)
+    if rows_idx is not None:
+        c[rows_idx] = a_hp(rows_idx) @ b_hp()
+    if cols_idx is not None:
+        c[:, cols_idx] = a_hp(None) @ b_hp()[:, cols_idx]
+    if b_cols_idx is not None:
+        c[:, b_cols_idx] = a_hp(None) @ b_cols_hp
+    return c
+
+
+class _AdaHOPLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TK, w_NK, plan: LayerPlan):
+        backend = plan.backend
+        if plan.layer is not None:
+            plan.layer._observe("x", x_TK)
+            plan.layer._observe("w", w_NK)
+
+        # GEMM 1: fprop y_TN = x_TK @ w_NK^T, [T,K]@[K,N]->[T,N]; A = x (rows: tokens),
+        # B = w^T (columns: output features). Both quantized along K.
+        fp = plan.fprop
+        if not fp.quantized:
+            y_TN = x_TK @ w_NK.t()
+        else:
+            y_TN = _mxfp4_gemm(
+                fp, backend, x_TK, 1, w_NK, 1,
+                a_hp=lambda idx: x_TK if idx is None else x_TK[idx],
+                b_hp=lambda: w_NK.t(),
+                out_dtype=x_TK.dtype,
+            )
+
+        # What wgrad (dw_NK = g^T x) needs of x: x quantized along T, or x itself.
+        wg = plan.wgrad
+        ctx.wgrad_x_q = None
+        ctx.wgrad_cols = False
+        saved = [w_NK]
+        if not wg.quantized:
+            saved.append(x_TK)
+        else:
+            cols_idx = None
+            if wg.mode == "iht+oe_right":  # OE on B = x's columns (input features)
+                cols_idx = topk_outer(x_TK, 1, wg.oe_k)
+            x_q = backend.quantize(x_TK, 0, wg.b, zero_outer=cols_idx)
+            ctx.wgrad_x_q = (x_q.shape, x_q.dim, x_q.block_size)
+            saved += [x_q.codes, x_q.scale_e8m0]
+            if cols_idx is not None:
+                ctx.wgrad_cols = True
+                saved += [x_TK[:, cols_idx].contiguous(), cols_idx]
+        ctx.save_for_backward(*saved)
+        ctx.plan = plan
+        return y_TN
+
+    @staticmethod
+    def backward(ctx, g_TN):
+        plan = ctx.plan
+        backend = plan.backend
+        g_TN = g_TN.contiguous()
+        saved = list(ctx.saved_tensors)
+        w_NK = saved.pop(0)
+        if plan.layer is not None:
+            plan.layer._observe("g", g_TN)
+        dx_TK = dw_NK = None
+
+        # GEMM 2: dgrad dx_TK = g_TN @ w_NK, [T,N]@[N,K]->[T,K]; A = g (rows: tokens, quantized
+        # along N), B = w (columns: input features, quantized along N = dim 0 of w).
+        if ctx.needs_input_grad[0]:
+            dg = plan.dgrad
+            if not dg.quantized:
+                dx_TK = g_TN @ w_NK
+            else:
+                dx_TK = _mxfp4_gemm(
+                    dg, backend, g_TN, 1, w_NK, 0,
+                    a_hp=lambda idx: g_TN if idx is None else g_TN[idx],
+                    b_hp=lambda: w_NK,
+                    out_dtype=g_TN.dtype,
+                )
+
+        # GEMM 3: wgrad dw_NK = g_TN^T @ x_TK, [N,T]@[T,K]->[N,K]; A = g^T (quantized along T =
+        # dim 0 of g), B = x (columns: input features; quantized along T in the forward).
+        if ctx.needs_input_grad[1]:
+            wg = plan.wgrad
+            if not wg.quantized:
+                x_TK = saved.pop(0)
+                dw_NK = g_TN.t() @ x_TK
+            else:
+                shape, dim, block = ctx.wgrad_x_q
+                x_q = MXFP4Tensor(saved.pop(0), saved.pop(0), shape, dim, block)
+                cols_hp = cols_idx = None
+                if ctx.wgrad_cols:
+                    cols_hp, cols_idx = saved.pop(0), saved.pop(0)
+                # OE-left of wgrad (rows of g^T) needs x in high precision: the policy never
+                # asks for it (check_modes refuses it).
+                dw_NK = _mxfp4_gemm(
+                    wg, backend, g_TN, 0, x_q, 0,
+                    a_hp=lambda idx: g_TN.t(),
+                    b_cols_hp=cols_hp, b_cols_idx=cols_idx,
+                    out_dtype=g_TN.dtype,
+                )
+        if plan.layer is not None:
+            plan.layer._after_calibration_step()
+        return dx_TK, dw_NK, None
+
+
+class AdaHOPLinear(nn.Linear):
+    """``nn.Linear`` whose three GEMMs run in MXFP4 with AdaHOP's per-GEMM strategy.
+
+    Build it with ``from_float`` (or ``convert_to_adahop_training``) so that it shares the
+    original module's parameters. State beyond the parameters (calibration votes, patterns,
+    modes, the call counter that seeds stochastic rounding) is the module's extra state: it is
+    in ``state_dict()`` and restored by ``load_state_dict``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *, config: AdaHOPConfig | None = None, name: str = ""):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        config = AdaHOPConfig() if config is None else config
+        if not isinstance(config, AdaHOPConfig):
+            raise ValueError(f"config must be an AdaHOPConfig, got {type(config).__name__}")
+        self.config = config
+        self.layer_name = name
+        self.layer_id = zlib.crc32(name.encode())  # stable across processes (unlike hash())
+        self.calls = 0
+        self.calibration = LayerCalibration() if config.adaptive else None
+        self.patterns: dict | None = None
+        self.modes: dict | None = None if config.adaptive else config.fixed_modes()
+        self._oe_clamp_warned = False
+        self._register_load_state_dict_pre_hook(self._fill_missing_extra_state, with_module=False)
+
+    @classmethod
+    def from_float(cls, mod: nn.Linear, *, config: AdaHOPConfig, name: str = "") -> "AdaHOPLinear":
+        """Wrap ``mod`` (built on the meta device, then given ``mod``'s own parameters)."""
+        if not isinstance(mod, nn.Linear):
+            raise ValueError(f"from_float takes an nn.Linear, got {type(mod).__name__}")
+        with torch.device("meta"):
+            new = cls(mod.in_features, mod.out_features, bias=mod.bias is not None, config=config, name=name)
+        new.weight = mod.weight
+        new.bias = mod.bias
+        new.train(mod.training)
+        return new
+
+    # ---- calibration --------------------------------------------------------------------------
+    @property
+    def calibrating(self) -> bool:
+        return self.modes is None
+
+    def _observe(self, role: str, t: torch.Tensor) -> None:
+        k = {"x": self.config.fprop.oe_k, "w": self.config.fprop.oe_k, "g": self.config.dgrad.oe_k}[role]
+        self.calibration.add(role, observe_tensor(t, tau=self.config.tau, k=k))
+
+    def _after_calibration_step(self) -> None:
+        if self.calibrating and self.calibration.steps >= self.config.calibration_steps:
+            self.finish_calibration()
+
+    def finish_calibration(self) -> dict:
+        """Vote the patterns, let the policy pick the modes, freeze them. Returns the modes."""
+        if not self.config.adaptive:
+            raise ValueError(f"recipe {self.config.recipe!r} is not adaptive: it has no calibration")
+        if self.calibration.steps == 0:
+            raise ValueError(f"layer {self.layer_name!r} has observed no backward pass yet")
+        summary = self.calibration.summary()
+        policy = self.config.policy_fn
+        modes = policy(summary) if policy is not None else table_policy(summary, self.config.policy)
+        self.modes = check_modes(modes)
+        self.patterns = {r: summary[r]["pattern"] for r in ("x", "w", "g")}
+        return dict(self.modes)
+
+    def set_modes(self, modes: dict, patterns: dict | None = None) -> None:
+        """Freeze the layer's modes (e.g. loaded from JSON): no calibration afterwards."""
+        self.modes = check_modes(modes)
+        self.patterns = dict(patterns) if patterns is not None else self.patterns
+
+    # ---- forward -------------------------------------------------------------------------------
+    def _plan(self, device: torch.device, observe: bool, tokens: int) -> LayerPlan:
+        modes = {g: "bf16" for g in GEMMS} if self.calibrating else self.modes
+        call = self.calls
+        self.calls += 1
+        plans = {}
+        for gemm in GEMMS:
+            cfg = self.config.gemm(gemm)
+            gi = GEMM_INDEX[gemm]
+            sr = (
+                mix_seeds(self.config.seed, self.layer_id, call, gi, 0),
+                mix_seeds(self.config.seed, self.layer_id, call, gi, 1),
+            )
+            signs = mix_seeds(self.config.seed, self.layer_id, gi, 2)  # fixed per layer and GEMM
+            plans[gemm] = make_gemm_plan(modes[gemm], cfg, sr_seeds=sr, signs_seed=signs)
+        self._warn_oe_clamp(modes, tokens)
+        return LayerPlan(
+            plans["fprop"], plans["dgrad"], plans["wgrad"],
+            backend=get_backend(self.config.backend, device),
+            layer=self if observe else None,
+        )
+
+    def _warn_oe_clamp(self, modes: dict, tokens: int) -> None:
+        outer = {  # size of the outer dim OE selects from, per (gemm, mode)
+            ("fprop", "iht+oe_left"): tokens, ("fprop", "iht+oe_right"): self.out_features,
+            ("dgrad", "iht+oe_left"): tokens, ("dgrad", "iht+oe_right"): self.in_features,
+            ("wgrad", "iht+oe_right"): self.in_features,
+        }
+        for gemm in GEMMS:
+            size = outer.get((gemm, modes[gemm]))
+            k = self.config.gemm(gemm).oe_k
+            if size is not None and k >= size and not self._oe_clamp_warned:
+                self._oe_clamp_warned = True
+                warnings.warn(
+                    f"{self.layer_name or 'AdaHOPLinear'}: {gemm} OE k={k} >= the dim it selects "
+                    f"from ({size}): k is clamped, so that GEMM runs entirely in high precision",
+                    stacklevel=4,
+                )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise ValueError(f"input must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"input's last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}")
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+        else:
+            dtype = x.dtype
+        observe = self.calibrating and self.training and torch.is_grad_enabled()
+        x_TK = x.reshape(-1, self.in_features).to(dtype)
+        plan = self._plan(x.device, observe, x_TK.shape[0])
+        with torch.autocast(device_type, enabled=False):
+            y = _AdaHOPLinearFunction.apply(x_TK, self.weight.to(dtype), plan)
+            if self.bias is not None:
+                y = y + self.bias.to(dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    # ---- state ---------------------------------------------------------------------------------
+    def get_extra_state(self) -> dict:
+        return {
+            "version": EXTRA_STATE_VERSION,
+            "calls": self.calls,
+            "calibration": None if self.calibration is None else self.calibration.to_dict(),
+            "patterns": None if self.patterns is None else dict(self.patterns),
+            "modes": None if self.modes is None else dict(self.modes),
+        }
+
+    def set_extra_state(self, state: dict) -> None:
+        if not isinstance(state, dict) or state.get("version") != EXTRA_STATE_VERSION:
+            raise ValueError(f"unrecognised AdaHOPLinear extra state: {state!r}")
+        self.calls = int(state["calls"])
+        if state["calibration"] is not None and self.config.adaptive:
+            self.calibration = LayerCalibration.from_dict(state["calibration"])
+        self.patterns = state["patterns"]
+        if state["modes"] is not None:
+            self.modes = check_modes(state["modes"])
+        elif self.config.adaptive:
+            self.modes = None
+        else:
+            raise ValueError(f"checkpoint has no modes for non-adaptive recipe {self.config.recipe!r}")
+
+    def _fill_missing_extra_state(self, state_dict, prefix, *args) -> None:
+        # A checkpoint of the unconverted model has no extra state: keep ours.
+        key = prefix + "_extra_state"
+        if key not in state_dict and any(k.startswith(prefix) for k in state_dict):
+            state_dict[key] = self.get_extra_state()
+
+    def extra_repr(self) -> str:
+        base = super().extra_repr()
+        cfg = self.config
+        if self.calibrating:
+            status = f"calibrating {self.calibration.steps}/{cfg.calibration_steps} steps (bf16 meanwhile)"
+        else:
+            status = "modes: " + ", ".join(f"{g}={self.modes[g]}" for g in GEMMS)
+        pats = ""
+        if self.patterns is not None:
+            pats = "patterns: " + ", ".join(f"{r}={self.patterns[r]}" for r in ("x", "w", "g")) + ", "
+        return f"{base}, recipe={cfg.recipe}, {pats}{status}"
