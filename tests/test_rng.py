@@ -1,0 +1,159 @@
+"""Counter-based RNG (adahop.formats.rng) against a pure-Python reference of its documented
+definition."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from adahop.formats.rng import check_seed, lowbias32, mix_seeds, uniform_from_counter
+
+M32 = 2**32 - 1
+
+
+def ref_lowbias32(x: int) -> int:
+    """Chris Wellons' lowbias32, written independently with Python ints."""
+    x &= M32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) % 2**32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) % 2**32
+    x ^= x >> 16
+    return x
+
+
+def ref_uniform(counter: int, seed: int) -> float:
+    key = ref_lowbias32(seed ^ ref_lowbias32(counter >> 32))
+    r = ref_lowbias32((counter & M32) ^ key)
+    return (r >> 8) / 2**24
+
+
+def test_lowbias32_known_structure():
+    # lowbias32(0) == 0 (xorshift-multiply of 0), and it is a bijection-like mix: 1 maps far away
+    assert ref_lowbias32(0) == 0
+    assert int(lowbias32(torch.tensor([0]))[0]) == 0
+    assert int(lowbias32(torch.tensor([1]))[0]) == ref_lowbias32(1) != 1
+
+
+def test_lowbias32_matches_pure_python():
+    rnd = random.Random(0)
+    vals = [0, 1, 2, 3, 0xFFFF, 0x10000, 2**31 - 1, 2**31, 2**31 + 1, M32, M32 - 1, M32 - 2,
+            2**32 - 255, 0x7FEB352D, 0x846CA68B, 0xDEADBEEF]
+    vals += [rnd.randrange(2**32) for _ in range(5000)]
+    vals += [2**32 - 1 - i for i in range(500)]
+    got = lowbias32(torch.tensor(vals, dtype=torch.int64)).tolist()
+    assert got == [ref_lowbias32(v) for v in vals]
+    assert all(0 <= g <= M32 for g in got)
+
+
+def test_lowbias32_is_injective_on_a_sample():
+    # a composition of invertible steps: no collisions on distinct 32-bit inputs
+    x = torch.arange(0, 200_000, dtype=torch.int64) * 21_474 % 2**32
+    assert torch.unique(x).numel() == x.numel()
+    assert torch.unique(lowbias32(x)).numel() == x.numel()
+
+
+def test_uniform_matches_pure_python_reference():
+    rnd = random.Random(1)
+    counters = list(range(300)) + [2**32 - 2, 2**32 - 1, 2**32, 2**32 + 1, 2**33 + 7, 2**40 + 3, 2**62]
+    counters += [rnd.randrange(2**48) for _ in range(300)]
+    for seed in (0, 1, 12345, 2**31, M32):
+        got = uniform_from_counter(torch.tensor(counters, dtype=torch.int64), seed)
+        assert got.dtype == torch.float32
+        assert got.tolist() == [ref_uniform(c, seed) for c in counters]
+
+
+def test_uniform_range_and_determinism():
+    c = torch.arange(100_000, dtype=torch.int64)
+    u = uniform_from_counter(c, 7)
+    assert bool((u >= 0).all()) and bool((u < 1).all())
+    assert torch.equal(u, uniform_from_counter(c, 7))
+    # values are multiples of 2**-24 (24 random bits)
+    assert torch.equal(u * 2**24, torch.floor(u * 2**24))
+    # shape is kept
+    c2 = c.reshape(10, 100, 100)
+    assert torch.equal(uniform_from_counter(c2, 7), u.reshape(10, 100, 100))
+    # a different seed gives a different stream, element by element almost everywhere
+    v = uniform_from_counter(c, 8)
+    assert float((u == v).float().mean()) < 0.001
+
+
+def test_uniform_is_roughly_uniform():
+    n, bins = 1 << 17, 64
+    for seed in (0, 99, 2**32 - 1):
+        u = uniform_from_counter(torch.arange(n, dtype=torch.int64), seed).double()
+        # mean 1/2 and variance 1/12 within 6 standard errors
+        assert abs(u.mean().item() - 0.5) < 6 * math.sqrt(1 / 12 / n)
+        assert abs(u.var().item() - 1 / 12) < 6 * math.sqrt(1 / 180 / n)
+        counts = torch.histc(u, bins=bins, min=0.0, max=1.0)
+        exp = n / bins
+        chi2 = float(((counts - exp) ** 2 / exp).sum())
+        dof = bins - 1
+        assert chi2 < dof + 6 * math.sqrt(2 * dof), chi2
+        # neighbouring counters are uncorrelated
+        corr = torch.corrcoef(torch.stack((u[:-1], u[1:])))[0, 1].item()
+        assert abs(corr) < 6 / math.sqrt(n)
+
+
+def test_uniform_high_counter_words_matter():
+    # counters that differ only above bit 32 give different streams
+    lo = torch.arange(10_000, dtype=torch.int64)
+    a = uniform_from_counter(lo, 5)
+    b = uniform_from_counter(lo + 2**32, 5)
+    assert float((a == b).float().mean()) < 0.001
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, True, 1.0, "3", None])
+def test_uniform_rejects_bad_seed(seed):
+    with pytest.raises(ValueError, match="seed"):
+        uniform_from_counter(torch.arange(4), seed)
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*32\)"):
+        check_seed(seed)
+
+
+def test_check_seed_accepts_bounds():
+    assert check_seed(0) == 0
+    assert check_seed(M32) == M32
+
+
+def test_mix_seeds_deterministic_and_distinct():
+    assert mix_seeds(1, 2, 3) == mix_seeds(1, 2, 3)
+    assert mix_seeds() == mix_seeds()
+    assert mix_seeds(0) != 0 and mix_seeds() != 0
+    # typical use: (config seed, layer id, call counter, gemm index, operand index)
+    tuples = [()]
+    tuples += [(a,) for a in range(50)]
+    tuples += [(a, b) for a in range(20) for b in range(20)]
+    tuples += [(s, layer, step, g, o) for s in (0, 1) for layer in range(8) for step in range(10)
+               for g in range(3) for o in range(2)]
+    tuples += [(0, 0, 0), (0, 0, 0, 0), (M32,), (M32, M32), (M32, 0), (0, M32)]
+    seeds = [mix_seeds(*t) for t in tuples]
+    assert len(set(seeds)) == len(tuples)
+    assert all(0 <= s <= M32 for s in seeds)
+    # order matters
+    assert mix_seeds(1, 2) != mix_seeds(2, 1)
+    # a usable SR seed
+    assert check_seed(mix_seeds(3, 4)) == mix_seeds(3, 4)
+
+
+def test_mix_seeds_matches_documented_chain():
+    def ref(*values):
+        h = 0x9E3779B9
+        for v in values:
+            while True:
+                h = ref_lowbias32(h ^ (v & M32))
+                v >>= 32
+                if v == 0:
+                    break
+        return h
+
+    for t in [(), (0,), (7, 11), (2**32 + 3, 9), (2**70 + 1,), (1, 2, 3, 4, 5)]:
+        assert mix_seeds(*t) == ref(*t)
+
+
+def test_mix_seeds_rejects_negative():
+    with pytest.raises(ValueError, match="non-negative"):
+        mix_seeds(1, -1)
