@@ -340,6 +340,7 @@ class AdaHOPLinear(nn.Linear):
     def get_extra_state(self) -> dict:
         return {
             "version": EXTRA_STATE_VERSION,
+            "recipe": self.config.recipe,
             "calls": self.calls,
             "calibration": None if self.calibration is None else self.calibration.to_dict(),
             "patterns": None if self.patterns is None else dict(self.patterns),
@@ -350,6 +351,14 @@ class AdaHOPLinear(nn.Linear):
         if not isinstance(state, dict) or state.get("version") != EXTRA_STATE_VERSION:
             raise ValueError(f"unrecognised AdaHOPLinear extra state: {state!r}")
         self.calls = int(state["calls"])
+        if state.get("recipe") != self.config.recipe:
+            warnings.warn(
+                f"{self.layer_name or 'AdaHOPLinear'}: the checkpoint was made with recipe "
+                f"{state.get('recipe')!r} but this layer runs {self.config.recipe!r}; its "
+                "calibration and modes are not loaded (the layer keeps its own)",
+                stacklevel=2,
+            )
+            return
         if state["calibration"] is not None and self.config.adaptive:
             self.calibration = LayerCalibration.from_dict(state["calibration"])
         self.patterns = state["patterns"]
