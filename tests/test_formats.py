@@ -237,6 +237,10 @@ def test_nonfinite_block_gets_nan_scale(mode, bad):
         (2.0**-127, 0, 0, 0, 0),
         (2.0**-149, 0, 0, 0, 0),
         (2.0**-125, 0, 0, 0, 0),
+        # rceil near the bottom: amax / 6 is exactly the subnormal 2**-127 (e = -127), or just
+        # above it (e = -126)
+        (6.0 * 2.0**-127, 0, 0, 1, 0),
+        (6.0 * 2.0**-127 * (1 + 2.0**-20), 0, 0, 1, 1),
     ],
 )
 def test_scale_byte_hand_computed(amax, floor, even, ceil, rceil):

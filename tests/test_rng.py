@@ -143,15 +143,23 @@ def test_mix_seeds_matches_documented_chain():
     def ref(*values):
         h = 0x9E3779B9
         for v in values:
+            words = 0
             while True:
                 h = ref_lowbias32(h ^ (v & M32))
+                words += 1
                 v >>= 32
                 if v == 0:
                     break
+            h = ref_lowbias32(h ^ words)  # each value closed by its word count
         return h
 
     for t in [(), (0,), (7, 11), (2**32 + 3, 9), (2**70 + 1,), (1, 2, 3, 4, 5)]:
         assert mix_seeds(*t) == ref(*t)
+
+
+def test_mix_seeds_values_do_not_run_together():
+    assert mix_seeds(2**32 + 5) != mix_seeds(5, 1)
+    assert mix_seeds(0, 0) != mix_seeds(0)
 
 
 def test_mix_seeds_rejects_negative():

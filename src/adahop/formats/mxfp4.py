@@ -36,6 +36,9 @@ Numerics (the contract the Triton and Hopper kernels reproduce bit for bit)
      the quotient: nothing saturates, so SR stays unbiased.
 
    ``e`` is clamped to [-127, 127]; an all-zero block gets ``e = -127`` (byte 0) and zero codes.
+   (Blocks whose amax is within a factor 2 of float32's maximum can dequantize to +-Inf in the
+   ``even``/``ceil``/``rceil`` modes: the rounded-up value exceeds float32. Training data never
+   comes near 3e38.)
 4. The block is scaled by ``2**-e`` (a multiply by a normal float32 power of two: exact unless
    the result is below 2**-126, where every rounding gives code 0 anyway), clamped to [-6, 6]
    (saturation; the sign is kept, so -0.1 encodes as -0, code 0x8, like ml_dtypes), and rounded:

@@ -73,15 +73,19 @@ def _lowbias32_int(x: int) -> int:
 
 def mix_seeds(*values: int) -> int:
     """Derive a 32-bit seed from several non-negative ints (config seed, layer id, call counter,
-    GEMM and operand index): a chain of lowbias32 over each value's 32-bit words."""
+    GEMM and operand index): a chain of lowbias32 over each value's 32-bit words, each value
+    closed by its word count (so (2**32 + a,) and (a, 1) do not collide)."""
     h = 0x9E3779B9  # golden-ratio start, so mix_seeds() of zeros is not zero
     for v in values:
         v = int(v)
         if v < 0:
             raise ValueError(f"mix_seeds takes non-negative ints, got {v}")
+        words = 0
         while True:
             h = _lowbias32_int(h ^ (v & MASK32))
+            words += 1
             v >>= 32
             if v == 0:
                 break
+        h = _lowbias32_int(h ^ words)
     return h

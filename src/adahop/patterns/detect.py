@@ -42,7 +42,7 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     check_float_tensor(t, "t")
     if t.dim() == 1:
         return t.reshape(1, -1)
-    return t.reshape(-1, t.shape[-1])
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # not -1: fails on 0 columns
 
 
 def outlier_scores(t: torch.Tensor) -> OutlierScores:
