@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from adahop.formats.mxfp4 import (
-    E2M1_GRID,
     MXFP4Tensor,
     dequantize_mxfp4,
     fake_quantize_mxfp4,

@@ -121,7 +121,10 @@ def _mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=
 
 class _AdaHOPLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TK, w_NK, plan: LayerPlan):
+    def forward(ctx, x_TK, weight, plan: LayerPlan):
+        # The parameter itself is saved and cast again in the backward: saving the cast copy
+        # (bf16 under autocast) would hold 2 bytes per weight for the whole step.
+        w_NK = weight.to(x_TK.dtype)
         backend = plan.backend
         if plan.layer is not None:
             plan.layer._observe("x", x_TK)
@@ -144,7 +147,7 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
         wg = plan.wgrad
         ctx.wgrad_x_q = None
         ctx.wgrad_cols = False
-        saved = [w_NK]
+        saved = [weight]
         if not wg.quantized:
             saved.append(x_TK)
         else:
@@ -167,7 +170,7 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
         backend = plan.backend
         g_TN = g_TN.contiguous()
         saved = list(ctx.saved_tensors)
-        w_NK = saved.pop(0)
+        w_NK = saved.pop(0).to(g_TN.dtype)
         if plan.layer is not None:
             plan.layer._observe("g", g_TN)
         dx_TK = dw_NK = None
@@ -331,7 +334,7 @@ class AdaHOPLinear(nn.Linear):
         x_TK = x.reshape(-1, self.in_features).to(dtype)
         plan = self._plan(x.device, observe, x_TK.shape[0])
         with torch.autocast(device_type, enabled=False):
-            y = _AdaHOPLinearFunction.apply(x_TK, self.weight.to(dtype), plan)
+            y = _AdaHOPLinearFunction.apply(x_TK, self.weight, plan)
             if self.bias is not None:
                 y = y + self.bias.to(dtype)
         return y.reshape(*x.shape[:-1], self.out_features)

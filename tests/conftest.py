@@ -1,0 +1,12 @@
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _single_thread():
+    # The reference path runs many small elementwise ops on small tensors; on a 2-core machine
+    # OpenMP hand-offs made them 10-50x slower than one thread (measured while other work ran).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
