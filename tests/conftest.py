@@ -1,5 +1,13 @@
-import pytest
+import os
+
 import torch
+
+# The Triton kernels run on the CPU under Triton's interpreter. It must be chosen before the
+# kernels are first imported (triton.jit reads it when it decorates them), hence here.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="session")

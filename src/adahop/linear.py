@@ -90,7 +90,7 @@ class LayerPlan:
 def topk_outer(t: torch.Tensor, outer_dim: int, k: int) -> torch.Tensor:
     """Indices (sorted) of the k slices of 2-D ``t`` along ``outer_dim`` with the largest L2 norm
     over the other dim (float32; k clamped to the dim)."""
-    norms = t.to(torch.float32).square().sum(dim=1 - outer_dim)
+    norms = torch.linalg.vector_norm(t, dim=1 - outer_dim, dtype=torch.float32)
     k = min(k, norms.numel())
     return torch.topk(norms, k, sorted=False).indices.sort().values
 
@@ -108,6 +108,7 @@ def _mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=
     elif plan.mode == "iht+oe_right" and b_cols_idx is None:
         cols_idx = topk_outer(b, 1 - b_dim, plan.oe_k)
     a_q = backend.quantize(a, a_dim, plan.a, zero_outer=rows_idx)
+    # B may be the packed operand the forward saved (wgrad's x); mm_nt takes it as it is.
     b_q = b if isinstance(b, MXFP4Tensor) else backend.quantize(b, b_dim, plan.b, zero_outer=cols_idx)
     c = backend.mm_nt(a_q, b_q, out_dtype)
     if rows_idx is not None:
@@ -154,7 +155,7 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
             cols_idx = None
             if wg.mode == "iht+oe_right":  # OE on B = x's columns (input features)
                 cols_idx = topk_outer(x_TK, 1, wg.oe_k)
-            x_q = backend.quantize(x_TK, 0, wg.b, zero_outer=cols_idx)
+            x_q = backend.quantize_packed(x_TK, 0, wg.b, zero_outer=cols_idx)
             ctx.wgrad_x_q = (x_q.shape, x_q.dim, x_q.block_size)
             saved += [x_q.codes, x_q.scale_e8m0]
             if cols_idx is not None:

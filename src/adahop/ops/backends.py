@@ -1,21 +1,28 @@
 """The one dispatch point: which implementation quantizes operands and runs the MXFP4 GEMMs.
 
-A backend has two operations, both in the NT form of ``ops.operand``:
+A backend has three operations, all in the NT form of ``ops.operand``:
 
-* ``quantize(x, dim, spec, zero_outer=None) -> MXFP4Tensor``: a 2-D operand along its
-  contraction dim ``dim``; ``zero_outer`` (int64 indices of outer-dim slices) are zeroed first,
-  which is where outlier extraction removes what it computes in high precision (a kernel can
-  fuse that into its one pass over the tensor);
-* ``mm_nt(a, b, out_dtype) -> Tensor``: ``C[M, N] = A[M, K] @ B[N, K]^T`` with fp32 accumulation.
+* ``quantize(x, dim, spec, zero_outer=None)``: a 2-D operand along its contraction dim ``dim``,
+  in whatever form the backend's GEMM consumes; ``zero_outer`` (int64 indices of outer slices
+  that outlier extraction computes in high precision) may be zeroed first; the reference does,
+  which is the paper's description; a backend may skip it (see ``kernel_backends``);
+* ``quantize_packed(...)``: the same as an ``MXFP4Tensor`` (packed 4-bit: what is saved for the
+  backward);
+* ``mm_nt(a, b, out_dtype)``: ``C[M, N] = A[M, K] @ B[N, K]^T`` with fp32 accumulation; ``a``/``b``
+  are what ``quantize`` returned, or ``MXFP4Tensor``s.
 
-``reference`` (dequantize to float32, then a float32 matmul: every product of two MXFP4 values is
-exact in float32, so the only rounding is the accumulation) runs on the CPU and on any GPU. The
-Triton, Hopper FP8 and native-MX backends register here when they land; the layers above only
-ever call ``get_backend``. Asking for a backend that is not available is an error, never a silent
-fallback.
+Backends: ``reference`` (pure PyTorch, CPU and any GPU), ``triton`` (the fused Triton quantize
+kernel + the reference GEMM; also under ``TRITON_INTERPRET=1`` on the CPU) and ``hopper_fp8``
+(Triton quantize to e4m3 + row scales, ``torch._scaled_mm`` on FP8 tensor cores: CUDA GPUs of
+compute capability 8.9 or 9.x). ``auto`` picks ``hopper_fp8`` where it runs, else ``reference``.
+Native MX tensor cores (Blackwell, CDNA4) would register here as ``native_mx``; on Hopper,
+Triton's ``tl.dot_scaled`` upcasts to BF16 and runs 3x slower than BF16, so it is never chosen
+there. Asking for a backend that cannot run is an error, never a silent fallback.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -41,6 +48,8 @@ class ReferenceBackend:
             x = x.index_fill(1 - dim % 2, zero_outer, 0)
         return quantize_operand(x, dim, spec)
 
+    quantize_packed = quantize
+
     def mm_nt(self, a: MXFP4Tensor, b: MXFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         if a.padded_size != b.padded_size or a.block_size != b.block_size:
             raise ValueError(
@@ -52,18 +61,58 @@ class ReferenceBackend:
         return (a_f32 @ b_f32.t()).to(out_dtype)
 
 
-_BACKENDS = {"reference": ReferenceBackend()}
+BACKEND_NAMES = ("reference", "triton", "hopper_fp8")
 
 
-def available_backends() -> tuple[str, ...]:
-    return tuple(_BACKENDS)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _device(device) -> torch.device:
+    return torch.device(device) if device is not None else torch.device("cpu")
+
+
+def unavailable_reason(name: str, device=None) -> str | None:
+    """Why backend ``name`` cannot run on ``device`` (None when it can)."""
+    if name not in BACKEND_NAMES:
+        return f"unknown backend {name!r}; known: {('auto',) + BACKEND_NAMES}"
+    dev = _device(device)
+    if name in ("triton", "hopper_fp8") and not triton_available():
+        return f"backend {name!r} needs triton (pip install triton)"
+    if name == "triton" and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "backend 'triton' runs on the CPU only under TRITON_INTERPRET=1"
+    if name == "hopper_fp8":
+        if dev.type != "cuda":
+            return f"backend 'hopper_fp8' needs a CUDA GPU, got device {dev}"
+        if torch.cuda.get_device_capability(dev) < (8, 9):
+            return "backend 'hopper_fp8' needs FP8 tensor cores (compute capability >= 8.9)"
+    return None
+
+
+_INSTANCES: dict = {}
 
 
 def get_backend(name: str = "auto", device: torch.device | str | None = None):
-    """The backend called ``name``; ``"auto"`` picks the fastest exact one for ``device``
-    (today: ``reference`` everywhere)."""
+    """The backend called ``name`` for ``device``; ``"auto"`` picks ``hopper_fp8`` where it can
+    run, else ``reference``."""
     if name == "auto":
-        return _BACKENDS["reference"]
-    if name not in _BACKENDS:
-        raise ValueError(f"backend {name!r} is not available; available: {('auto',) + available_backends()}")
-    return _BACKENDS[name]
+        name = "hopper_fp8" if unavailable_reason("hopper_fp8", device) is None else "reference"
+    reason = unavailable_reason(name, device)
+    if reason is not None:
+        raise ValueError(reason)
+    if name not in _INSTANCES:
+        if name == "reference":
+            _INSTANCES[name] = ReferenceBackend()
+        else:
+            from adahop.ops.kernel_backends import HopperFP8Backend, TritonBackend
+
+            _INSTANCES[name] = TritonBackend() if name == "triton" else HopperFP8Backend()
+    return _INSTANCES[name]
+
+
+def available_backends(device=None) -> tuple[str, ...]:
+    return tuple(n for n in BACKEND_NAMES if unavailable_reason(n, device) is None)

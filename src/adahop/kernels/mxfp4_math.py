@@ -1,0 +1,105 @@
+"""Triton device functions shared by the MXFP4 kernels: the same arithmetic as the reference.
+
+Each function mirrors a piece of ``formats.mxfp4`` / ``formats.rng`` / ``transforms.hadamard``
+operation for operation, so that the kernels' outputs are the reference's bits:
+
+* ``lowbias32``: the SR/sign hash on uint32 (wrapping multiplies, as the reference's mod-2**32);
+* ``fwht``: the butterfly stages h = 1, 2, .., H/2 in the reference's order;
+* ``block_exponent``: the four scale modes from amax's float32 bits (rceil's ``amax / 6`` is an
+  IEEE round-to-nearest division, ``div_rn``: Triton's default fp32 ``/`` is approximate);
+* ``e2m1_codes_rne`` / ``e2m1_codes_sr``: the comparison chains of the reference;
+* ``pow2``: exact float32 powers of two built from bits (normal and subnormal).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+SCALE_MODE_IDS = {"floor": 0, "even": 1, "ceil": 2, "rceil": 3}
+
+
+@triton.jit
+def lowbias32(x):
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def pow2(e):
+    """float32 2**e for int32 e in [-149, 127], exact (subnormals below -126)."""
+    normal = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    sub = (tl.full(e.shape, 1, tl.int32) << tl.maximum(e + 149, 0)).to(tl.float32, bitcast=True)
+    return tl.where(e >= -126, normal, sub)
+
+
+@triton.jit
+def fwht(x, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr):
+    """Unnormalised Walsh-Hadamard butterfly over groups of 2**LOG2_H along the last dim of a
+    [BLOCK_R, BLOCK_K] float32 tile; stage order h = 1, 2, 4, ... as in the reference."""
+    for s in tl.static_range(LOG2_H):
+        h: tl.constexpr = 1 << s
+        y = tl.reshape(x, (BLOCK_R, BLOCK_K // (2 * h), 2, h))
+        y = tl.permute(y, (0, 1, 3, 2))
+        a, b = tl.split(y)
+        y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+        x = tl.reshape(y, (BLOCK_R, BLOCK_K))
+    return x
+
+
+@triton.jit
+def block_exponent(amax, SCALE_MODE: tl.constexpr):
+    """Unbiased E8M0 exponent (int32, clamped to [-127, 127]) of blocks with finite amax >= 0."""
+    if SCALE_MODE == 3:  # rceil: ceil(log2(fp32(amax / 6)))
+        q = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
+        bits = q.to(tl.int32, bitcast=True)
+        ef = bits >> 23
+        m = bits & 0x7FFFFF
+        e = ef - 127 + (m != 0).to(tl.int32)
+        e = tl.where(ef == 0, tl.where(m > 4194304, -126, -127), e)
+    else:
+        bits = amax.to(tl.int32, bitcast=True)
+        if SCALE_MODE == 1:  # even: round the mantissa to 1 bit first
+            bits = (bits + 2097152) & 0x7F800000
+        e = (bits >> 23) - 129
+        if SCALE_MODE == 2:  # ceil
+            e = e + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return tl.minimum(tl.maximum(e, -127), 127)
+
+
+@triton.jit
+def e2m1_codes_rne(a):
+    """Magnitude code 0..7 of |v| in [0, 6]: round to nearest, ties to even."""
+    c = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+    c += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+    c += (a > 5.0).to(tl.int32)
+    return c
+
+
+@triton.jit
+def e2m1_value(c):
+    """Magnitude (float32) of code 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
+    v = tl.where(c == 1, 0.5, 0.0)
+    v = tl.where(c == 2, 1.0, v)
+    v = tl.where(c == 3, 1.5, v)
+    v = tl.where(c == 4, 2.0, v)
+    v = tl.where(c == 5, 3.0, v)
+    v = tl.where(c == 6, 4.0, v)
+    v = tl.where(c == 7, 6.0, v)
+    return v
+
+
+@triton.jit
+def e2m1_codes_sr(a, u):
+    """Magnitude code of |v| in [0, 6], rounded up iff u < (|v| - lo) / (hi - lo)."""
+    lo_c = (a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
+    lo_c += (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
+    lo_c += (a >= 6.0).to(tl.int32)
+    lo = e2m1_value(lo_c)
+    inv_gap = tl.where(lo_c >= 6, 0.5, tl.where(lo_c >= 4, 1.0, 2.0))  # gaps 2, 1, 0.5: exact
+    frac = tl.where(lo_c == 7, 0.0, (a - lo) * inv_gap)
+    return lo_c + (u < frac).to(tl.int32)

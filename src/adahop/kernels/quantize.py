@@ -1,0 +1,224 @@
+"""Fused [random signs +] block Hadamard + MXFP4 quantization of a GEMM operand, in one kernel.
+
+The operand is a logical ``[R, K]`` view of a 2-D tensor: R = the outer dim, K = the contraction
+dim, given by strides, so one kernel quantizes ``x_TK`` along K (strides (K, 1)) and along T
+(the view ``x.t()``, strides (1, K)) without a transpose copy. Each program owns ``BLOCK_R`` rows
+and walks K in chunks of ``BLOCK_K``; per chunk it loads, signs, transforms, takes block maxima,
+and rounds, exactly as the reference (``kernels.mxfp4_math``). Outputs (all row-major, K padded
+to ``KP``, a multiple of max(32, Hadamard size)):
+
+* packed codes ``[R, KP/2]`` uint8 and scale bytes ``[R, KP/32]`` uint8: ``MXFP4Tensor``'s layout,
+  bit-identical to ``ops.operand.quantize_operand`` (what is saved for the backward);
+* for the Hopper FP8 GEMM, ``[R, KP]`` float8_e4m3fn plus one float32 scale per row: element =
+  ``e2m1 value * 2**(e_block - e_rowmax + 6)``, row scale = ``2**(e_rowmax - 6)``. The product is
+  exactly the MXFP4 value wherever ``e_block >= e_rowmax - 14`` (e4m3's 4 exponent bits and its
+  subnormals hold 14 binades below 6 * 2**6 = 384 <= 448); a block further below its row's
+  largest is rounded to e4m3 (an error under 2**-15 of the row maximum);
+* the sum of squares of each row after the transform (the Hadamard is orthonormal, so it is the
+  row's squared L2 norm): what outlier extraction ranks its top-k slices by.
+
+The e4m3 form needs each row's largest block exponent before it writes the first element, so it
+takes two passes over K: the first computes exponents (and writes the scale bytes), the second
+recomputes the chunk (its reload mostly hits L2) and writes the elements.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from adahop.formats.mxfp4 import MXFP4Tensor
+from adahop.formats.rng import MASK32, _lowbias32_int
+from adahop.kernels.mxfp4_math import (
+    SCALE_MODE_IDS,
+    block_exponent,
+    e2m1_codes_rne,
+    e2m1_codes_sr,
+    e2m1_value,
+    fwht,
+    lowbias32,
+    pow2,
+)
+from adahop.transforms.hadamard import HADAMARD_NORM
+
+E4M3_SHIFT = 6  # 6 * 2**6 = 384 <= 448, e4m3's largest normal
+
+
+@triton.jit
+def _load_transform(
+    x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
+):
+    cols = k0 + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < R) & (cols[None, :] < K)
+    ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_k
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SIGNS:
+        bit = lowbias32(cols.to(tl.uint32) ^ sign_key.to(tl.uint32)) >> 31
+        x = x * (1.0 - 2.0 * bit.to(tl.float32))[None, :]
+    if LOG2_H > 0:
+        x = fwht(x, BLOCK_R, BLOCK_K, LOG2_H) * norm
+    return x
+
+
+@triton.jit
+def _blocks(x, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_MODE: tl.constexpr):
+    """Per 32-block: exponent (NaN blocks: -127) and finiteness, as [BLOCK_R, BLOCK_K/32]."""
+    xb = tl.reshape(x, (BLOCK_R, BLOCK_K // 32, 32))
+    amax = tl.max(tl.abs(xb), axis=2)
+    # tl.max ignores NaN (fmax semantics): look for it explicitly.
+    has_nan = tl.max((xb != xb).to(tl.int32), axis=2) > 0
+    finite = (~has_nan) & (amax != float("inf"))
+    e = block_exponent(tl.where(finite, amax, 0.0), SCALE_MODE)
+    return e, finite
+
+
+@triton.jit
+def _mxfp4_quantize_kernel(
+    x_ptr, stride_r, stride_k,
+    codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, rowscale_ptr, sumsq_ptr,
+    R, K, KP, sr_key, sign_key, norm,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
+    SCALE_MODE: tl.constexpr, SR: tl.constexpr,
+    WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr, WRITE_SUMSQ: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    NB: tl.constexpr = BLOCK_K // 32
+
+    # Pass 1 (only for the e4m3 form): each row's largest block exponent.
+    e_rowmax = tl.full((BLOCK_R,), -127, tl.int32)
+    if WRITE_E4M3:
+        for k0 in range(0, KP, BLOCK_K):
+            x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS)
+            e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
+            e_rowmax = tl.maximum(e_rowmax, tl.max(tl.where(finite, e, -127), axis=1))
+        tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok)
+
+    sumsq = tl.zeros((BLOCK_R,), tl.float32)
+    for k0 in range(0, KP, BLOCK_K):
+        x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS)
+        if WRITE_SUMSQ:
+            sumsq += tl.sum(x * x, axis=1)
+        e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
+        bidx = k0 // 32 + tl.arange(0, NB)
+        smask = row_ok[:, None] & (bidx[None, :] < KP // 32)
+        if WRITE_PACKED:
+            sbyte = tl.where(finite, e + 127, 255).to(tl.uint8)
+            tl.store(scales_ptr + rows[:, None].to(tl.int64) * (KP // 32) + bidx[None, :], sbyte, mask=smask)
+
+        # Scale by 2**-e (a normal float32 for e in [-127, 126]), clamp, round.
+        xb = tl.reshape(x, (BLOCK_R, NB, 32))
+        v = xb * pow2(-e)[:, :, None]
+        v = tl.where(finite[:, :, None], v, 0.0)
+        v = tl.minimum(tl.maximum(v, -6.0), 6.0)
+        a = tl.abs(v)
+        if SR:
+            cols = k0 + tl.arange(0, BLOCK_K)
+            ctr = (rows[:, None].to(tl.int64) * KP + cols[None, :]).to(tl.uint32)
+            r = lowbias32(ctr ^ sr_key.to(tl.uint32))
+            u = (r >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+            c = e2m1_codes_sr(a, tl.reshape(u, (BLOCK_R, NB, 32)))
+        else:
+            c = e2m1_codes_rne(a)
+        sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+        if WRITE_PACKED:
+            code = tl.reshape(c | (sign << 3), (BLOCK_R, BLOCK_K // 2, 2))
+            lo, hi = tl.split(code)
+            packed = (lo | (hi << 4)).to(tl.uint8)
+            pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            pmask = row_ok[:, None] & (pcols[None, :] < KP // 2)
+            tl.store(codes_ptr + rows[:, None].to(tl.int64) * (KP // 2) + pcols[None, :], packed, mask=pmask)
+        if WRITE_E4M3:
+            shift = tl.maximum(e - e_rowmax[:, None] + 6, -126)  # below that it is 0 in e4m3 anyway
+            val = e2m1_value(c) * pow2(shift)[:, :, None]
+            val = tl.where(sign == 1, -val, val)
+            val = tl.reshape(val, (BLOCK_R, BLOCK_K)).to(tl.float8e4nv)
+            cols = k0 + tl.arange(0, BLOCK_K)
+            eoffs = rows[:, None].to(tl.int64) * KP + cols[None, :]
+            emask = row_ok[:, None] & (cols[None, :] < KP)
+            fin = tl.reshape(tl.broadcast_to(finite[:, :, None], (BLOCK_R, NB, 32)), (BLOCK_R, BLOCK_K))
+            tl.store(e4m3_ptr + eoffs, val, mask=emask & fin)
+            # Non-finite blocks get the e4m3 NaN byte 0x7F, stored as bits through a uint8 view of
+            # the same buffer (a NaN cast to fp8 is not portable: the interpreter gets it wrong).
+            nan_bits = tl.full((BLOCK_R, BLOCK_K), 0x7F, tl.uint8)
+            tl.store(e4m3_bits_ptr + eoffs, nan_bits, mask=emask & (~fin))
+    if WRITE_SUMSQ:
+        tl.store(sumsq_ptr + rows, sumsq, mask=row_ok)
+
+
+def sr_key(seed: int) -> int:
+    """Per-element key of the SR hash for counters below 2**32 (formats.rng: counter >> 32 = 0)."""
+    return _lowbias32_int(_lowbias32_int(0) ^ seed)
+
+
+def quantize_operand_triton(
+    x: torch.Tensor,
+    dim: int,
+    *,
+    block_size: int = 32,
+    scale_mode: str = "even",
+    rounding: str = "rne",
+    hadamard_size: int | None = None,
+    signs_seed: int | None = None,
+    sr_seed: int | None = None,
+    packed: bool = True,
+    e4m3: bool = False,
+    sumsq: bool = False,
+    block_r: int = 16,
+    block_k: int = 256,
+    num_warps: int = 4,
+):
+    """Quantize 2-D ``x`` along ``dim`` with the fused kernel. Returns a dict with, as asked,
+    ``"mx"`` (MXFP4Tensor), ``"e4m3"`` ([R, KP] float8_e4m3fn), ``"row_scale"`` ([R] float32)
+    and ``"sumsq"`` ([R] float32); R = the other dim."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_operand_triton takes a 2-D operand, got shape {tuple(x.shape)}")
+    if block_size != 32:
+        raise ValueError(f"the Triton kernels implement MX blocks of 32, got block_size={block_size}")
+    if rounding == "sr" and sr_seed is None:
+        raise ValueError("stochastic rounding needs sr_seed")
+    dim = dim % 2
+    view = x if dim == 1 else x.t()  # logical [R, K]: K = contraction dim
+    R, K = view.shape
+    align = max(32, hadamard_size or 1)
+    KP = -(-K // align) * align
+    if R * KP >= 2**32:
+        raise ValueError(f"operand too large for 32-bit SR counters: {R} x {KP}")
+    block_k = max(block_k, align)
+    log2_h = (hadamard_size or 1).bit_length() - 1
+    dev = x.device
+    codes = torch.empty((R, KP // 2), dtype=torch.uint8, device=dev) if packed else None
+    scales = torch.empty((R, KP // 32), dtype=torch.uint8, device=dev) if packed else None
+    e4 = torch.empty((R, KP), dtype=torch.float8_e4m3fn, device=dev) if e4m3 else None
+    rs = torch.empty((R,), dtype=torch.float32, device=dev) if e4m3 else None
+    ss = torch.empty((R,), dtype=torch.float32, device=dev) if sumsq else None
+    dummy = torch.empty((1,), dtype=torch.uint8, device=dev)
+    grid = (triton.cdiv(R, block_r),)
+    _mxfp4_quantize_kernel[grid](
+        view, view.stride(0), view.stride(1),
+        codes if packed else dummy, scales if packed else dummy,
+        e4 if e4m3 else dummy, e4.view(torch.uint8) if e4m3 else dummy,
+        rs if e4m3 else dummy, ss if sumsq else dummy,
+        R, K, KP,
+        sr_key(sr_seed) if rounding == "sr" else 0,
+        _lowbias32_int(signs_seed) if signs_seed is not None else 0,
+        HADAMARD_NORM[hadamard_size] if hadamard_size else 1.0,
+        BLOCK_R=block_r, BLOCK_K=block_k, LOG2_H=log2_h, HAS_SIGNS=signs_seed is not None,
+        SCALE_MODE=SCALE_MODE_IDS[scale_mode], SR=rounding == "sr",
+        WRITE_PACKED=packed, WRITE_E4M3=e4m3, WRITE_SUMSQ=sumsq,
+        num_warps=num_warps,
+    )
+    out = {}
+    if packed:
+        out["mx"] = MXFP4Tensor(codes, scales, x.shape, dim, 32)
+    if e4m3:
+        out["e4m3"], out["row_scale"] = e4, rs
+    if sumsq:
+        out["sumsq"] = ss
+    return out
+
+
+__all__ = ["quantize_operand_triton", "E4M3_SHIFT", "MASK32"]

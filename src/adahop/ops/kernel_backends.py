@@ -1,0 +1,127 @@
+"""Backends built on the Triton kernels (``adahop.kernels``): ``triton`` and ``hopper_fp8``.
+
+``triton``: the fused quantize kernel produces the packed MXFP4 operand, the GEMM is the
+reference's (dequantize + float32 matmul). It runs wherever Triton runs, the CPU interpreter
+included (``TRITON_INTERPRET=1``), which is how CI checks the kernels inside the whole layer.
+
+``hopper_fp8``: exact MXFP4 GEMMs on FP8 tensor cores (SPEC.md section 7). The quantize kernel
+emits each operand as float8 e4m3 elements plus one float32 scale per row, with every MXFP4 value
+``e2m1 * 2**e_block`` written as ``(e2m1 * 2**(e_block - e_rowmax + 6)) * 2**(e_rowmax - 6)``;
+the e4m3 element is exact while the block is within 14 binades of its row's largest (beyond, it
+is rounded: an error below 2**-15 of the row maximum). ``torch._scaled_mm`` with row-wise scales
+then computes ``sum_k a_e4m3 b_e4m3`` (products exact in fp32, fp32 accumulation with
+``use_fast_accum=False``) times ``scale_a[m] * scale_b[n]`` (powers of two: exact), so the result
+is the MXFP4 GEMM up to fp32 accumulation order. Row-wise ``_scaled_mm`` writes bf16; for other
+output dtypes we run it with unit scales into float32 and apply the two scales ourselves.
+
+Outlier extraction: the caller overwrites the output slices of the extracted rows/columns with
+their high-precision result, and MXFP4 quantizes each outer slice on its own, so zeroing those
+slices first (``zero_outer``) cannot change the result: these backends skip it (one pass less).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from adahop.formats.mxfp4 import MXFP4Tensor, dequantize_mxfp4
+from adahop.ops.operand import OperandSpec
+
+
+def _kernel_args(spec: OperandSpec) -> dict:
+    return dict(
+        block_size=spec.block_size,
+        scale_mode=spec.scale_mode,
+        rounding=spec.rounding,
+        hadamard_size=spec.hadamard_size,
+        signs_seed=spec.signs_seed,
+        sr_seed=spec.sr_seed,
+    )
+
+
+def _check(x: torch.Tensor, spec: OperandSpec) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"GEMM operands are 2-D, got shape {tuple(x.shape)}")
+    if spec.block_size != 32:
+        raise ValueError(f"the Triton kernels implement MX blocks of 32, got {spec.block_size}")
+
+
+class TritonBackend:
+    """Triton quantize kernel + the reference GEMM."""
+
+    name = "triton"
+
+    def quantize(self, x, dim, spec: OperandSpec, zero_outer=None) -> MXFP4Tensor:
+        return self.quantize_packed(x, dim, spec, zero_outer)
+
+    def quantize_packed(self, x, dim, spec: OperandSpec, zero_outer=None) -> MXFP4Tensor:
+        from adahop.kernels.quantize import quantize_operand_triton
+
+        _check(x, spec)
+        return quantize_operand_triton(x, dim, **_kernel_args(spec))["mx"]
+
+    def mm_nt(self, a: MXFP4Tensor, b: MXFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        a_f32 = dequantize_mxfp4(a, keep_padding=True)
+        b_f32 = dequantize_mxfp4(b, keep_padding=True)
+        return (a_f32 @ b_f32.t()).to(out_dtype)
+
+
+@dataclass(frozen=True)
+class E4M3Operand:
+    """A GEMM operand in the Hopper form: [R, KP] e4m3 elements and [R] float32 row scales."""
+
+    e4m3: torch.Tensor
+    row_scale: torch.Tensor
+
+
+def _pad_rows(t: torch.Tensor, multiple: int, value: float = 0.0) -> torch.Tensor:
+    pad = -t.shape[0] % multiple
+    if pad == 0:
+        return t
+    filler = torch.full((pad, *t.shape[1:]), value, dtype=torch.float32, device=t.device).to(t.dtype)
+    return torch.cat((t, filler))
+
+
+class HopperFP8Backend:
+    """Exact MXFP4 GEMMs through e4m3 + row scales and ``torch._scaled_mm`` (see module doc)."""
+
+    name = "hopper_fp8"
+
+    def __init__(self, use_fast_accum: bool = False):
+        self.use_fast_accum = use_fast_accum
+
+    def quantize(self, x, dim, spec: OperandSpec, zero_outer=None) -> E4M3Operand:
+        from adahop.kernels.quantize import quantize_operand_triton
+
+        _check(x, spec)
+        out = quantize_operand_triton(x, dim, packed=False, e4m3=True, **_kernel_args(spec))
+        return E4M3Operand(out["e4m3"], out["row_scale"])
+
+    def quantize_packed(self, x, dim, spec: OperandSpec, zero_outer=None) -> MXFP4Tensor:
+        return TritonBackend().quantize_packed(x, dim, spec, zero_outer)
+
+    @staticmethod
+    def as_e4m3(op) -> E4M3Operand:
+        if isinstance(op, E4M3Operand):
+            return op
+        from adahop.kernels.unpack import unpack_to_e4m3
+
+        return E4M3Operand(*unpack_to_e4m3(op))
+
+    def mm_nt(self, a, b, out_dtype: torch.dtype) -> torch.Tensor:
+        a, b = self.as_e4m3(a), self.as_e4m3(b)
+        if a.e4m3.shape[1] != b.e4m3.shape[1]:
+            raise ValueError(f"operands disagree along K: {a.e4m3.shape[1]} vs {b.e4m3.shape[1]}")
+        M, N = a.e4m3.shape[0], b.e4m3.shape[0]
+        # _scaled_mm needs outer dims that are multiples of 16 (K is a multiple of 32 already).
+        a_e4, b_e4 = _pad_rows(a.e4m3, 16), _pad_rows(b.e4m3, 16)
+        a_s = _pad_rows(a.row_scale, 16, 1.0)[:, None]
+        b_s = _pad_rows(b.row_scale, 16, 1.0)[None, :]
+        if out_dtype == torch.bfloat16:
+            c = torch._scaled_mm(a_e4, b_e4.t(), scale_a=a_s, scale_b=b_s, out_dtype=torch.bfloat16, use_fast_accum=self.use_fast_accum)
+        else:
+            one = torch.ones((), dtype=torch.float32, device=a_e4.device)
+            c = torch._scaled_mm(a_e4, b_e4.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=self.use_fast_accum)
+            c = (c * a_s * b_s).to(out_dtype)
+        return c[:M, :N]

@@ -1,0 +1,159 @@
+"""Triton kernels against the reference, bit for bit (on the CPU through TRITON_INTERPRET=1,
+set in conftest.py; on a GPU natively). Grids stay small: the interpreter runs each program
+in Python."""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import adahop  # noqa: E402
+from adahop.formats.mxfp4 import dequantize_mxfp4  # noqa: E402
+from adahop.kernels.quantize import quantize_operand_triton  # noqa: E402
+from adahop.kernels.unpack import unpack_to_e4m3  # noqa: E402
+from adahop.ops import OperandSpec, quantize_operand  # noqa: E402
+from adahop.ops.backends import get_backend, unavailable_reason  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make(shape, dtype=torch.float32, seed=0, outliers=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape[0], 1, generator=g) * 2)
+    if outliers:
+        x[torch.rand(shape, generator=g) < 0.01] *= 40
+        x[:, :1] *= 20
+    return x.to(dtype).to(DEVICE)
+
+
+def assert_same_mx(a, b):
+    assert torch.equal(a.codes.cpu(), b.codes.cpu())
+    assert torch.equal(a.scale_e8m0.cpu(), b.scale_e8m0.cpu())
+
+
+CASES = [
+    # (shape, dim, hadamard, signs_seed, scale_mode, rounding)
+    ((16, 64), 1, None, None, "even", "rne"),
+    ((20, 70), 1, 32, None, "even", "rne"),
+    ((33, 50), 0, 32, 5, "rceil", "sr"),
+    ((8, 256), 1, 128, None, "floor", "sr"),
+    ((40, 33), 0, 16, None, "ceil", "rne"),
+    ((24, 96), 1, 64, 9, "even", "sr"),
+    ((17, 300), 1, 256, None, "rceil", "rne"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,dim,h,signs,mode,rounding", CASES)
+def test_quantize_kernel_bit_exact(shape, dim, h, signs, mode, rounding, dtype):
+    x = make(shape, dtype, seed=len(shape) + shape[0])
+    spec = OperandSpec(scale_mode=mode, rounding=rounding, hadamard_size=h, signs_seed=signs, sr_seed=1234)
+    ref = quantize_operand(x, dim, spec)
+    got = quantize_operand_triton(x, dim, scale_mode=mode, rounding=rounding, hadamard_size=h, signs_seed=signs, sr_seed=1234)["mx"]
+    assert_same_mx(got, ref)
+
+
+def test_quantize_kernel_special_values():
+    x = make((16, 96))
+    x[0, 5] = float("nan")
+    x[1, 40] = float("inf")
+    x[2, 70] = -float("inf")
+    x[3] = 0.0
+    x[4, :32] = -0.0
+    x[5, :32] = 1e-40  # subnormal inputs
+    for h in (None, 32):
+        spec = OperandSpec(hadamard_size=h)
+        ref = quantize_operand(x, 1, spec)
+        out = quantize_operand_triton(x, 1, hadamard_size=h, e4m3=True)
+        assert_same_mx(out["mx"], ref)
+        assert (ref.scale_e8m0[:3] == 255).any(dim=1).all()
+        # the e4m3 form carries NaN exactly where the MXFP4 value is NaN
+        fold = out["e4m3"].float() * out["row_scale"][:, None]
+        deq = dequantize_mxfp4(ref, keep_padding=True)
+        assert torch.equal(torch.isnan(fold), torch.isnan(deq))
+        assert torch.equal(torch.nan_to_num(fold), torch.nan_to_num(deq))
+
+
+@pytest.mark.parametrize("dim,h", [(1, None), (1, 32), (0, 32)])
+def test_e4m3_fold_is_exact_within_14_binades(dim, h):
+    x = make((32, 128), seed=3, outliers=False)  # row spread e**(2*randn): blocks stay close
+    spec = OperandSpec(hadamard_size=h)
+    ref = quantize_operand(x, dim, spec)
+    out = quantize_operand_triton(x, dim, hadamard_size=h, e4m3=True, sumsq=True)
+    assert_same_mx(out["mx"], ref)
+    deq = dequantize_mxfp4(ref, keep_padding=True)
+    assert torch.equal(out["e4m3"].float() * out["row_scale"][:, None], deq)
+    # sumsq: the transformed rows' squared norms = the original rows' (orthonormal transform)
+    rows = x if dim == 1 else x.t()
+    expect = rows.double().square().sum(1)
+    assert torch.allclose(out["sumsq"].double(), expect, rtol=1e-5)
+
+
+def test_e4m3_fold_rounds_far_blocks_within_bound():
+    # one block 2**20 below its row's largest: more than 14 binades, so e4m3 rounds it
+    x = make((16, 64), outliers=False)
+    x[:, 32:] *= 2.0**-20
+    ref = quantize_operand(x, 1, OperandSpec())
+    out = quantize_operand_triton(x, 1, e4m3=True)
+    deq = dequantize_mxfp4(ref, keep_padding=True)
+    fold = out["e4m3"].float() * out["row_scale"][:, None]
+    assert torch.equal(fold[:, :32], deq[:, :32])
+    row_max = deq.abs().amax(1, keepdim=True)
+    assert ((fold - deq).abs() <= row_max * 2.0**-15).all()
+
+
+@pytest.mark.parametrize("dim,h,rounding", [(1, None, "rne"), (0, 32, "sr"), (1, 64, "rne")])
+def test_unpack_equals_direct_e4m3(dim, h, rounding):
+    x = make((24, 100), seed=5)
+    args = dict(hadamard_size=h, rounding=rounding, sr_seed=7)
+    direct = quantize_operand_triton(x, dim, e4m3=True, **args)
+    e4, rs = unpack_to_e4m3(direct["mx"])
+    assert torch.equal(e4.view(torch.uint8), direct["e4m3"].view(torch.uint8))
+    assert torch.equal(rs, direct["row_scale"])
+
+
+def test_backend_dispatch():
+    assert get_backend("auto", "cpu").name == "reference"
+    with pytest.raises(ValueError, match="CUDA"):
+        get_backend("hopper_fp8", "cpu")
+    with pytest.raises(ValueError, match="known"):
+        get_backend("native_fp4")
+    assert unavailable_reason("triton", DEVICE) is None
+
+
+def _run(layer, x, g):
+    xx = x.clone().requires_grad_()
+    y = layer(xx)
+    y.backward(g)
+    return y.detach(), xx.grad, layer.weight.grad
+
+
+@pytest.mark.parametrize(
+    "recipe,modes",
+    [
+        ("mxfp4", None),
+        ("mxfp4_iht", None),
+        ("tseng", None),
+        ("adahop_lv2", {"fprop": "iht+oe_left", "dgrad": "iht+oe_right", "wgrad": "iht+oe_right"}),
+        ("adahop_lv1", {"fprop": "iht+oe_right", "dgrad": "iht+oe_left", "wgrad": "iht"}),
+    ],
+)
+def test_linear_on_triton_backend_equals_reference(recipe, modes):
+    """The whole layer (all three GEMMs, SR, OE) on the Triton kernels gives the reference's
+    bits: the kernel backend skips OE's zeroing, which cannot change the result."""
+    T, K, N = 40, 64, 48
+    x, w, g = make((T, K), seed=1), make((N, K), seed=2, outliers=False) * 0.1, make((T, N), seed=3)
+    outs = []
+    for backend in ("reference", "triton"):
+        cfg = adahop.AdaHOPConfig.from_recipe_name(recipe, backend=backend).with_gemm_settings(oe_k=4)
+        lin = torch.nn.Linear(K, N, bias=False, device=DEVICE)
+        lin.weight.data.copy_(w)
+        layer = adahop.AdaHOPLinear.from_float(lin, config=cfg, name="probe")
+        if modes:
+            layer.set_modes(modes)
+        outs.append(_run(layer, x, g))
+    for ref, got in zip(outs[0], outs[1]):
+        assert torch.equal(ref, got)
+    assert not math.isnan(outs[0][0].sum().item())
