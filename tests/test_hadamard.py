@@ -37,18 +37,18 @@ def sylvester(n: int) -> np.ndarray:
 
 
 def ref_fwht_f32(x: np.ndarray, size: int) -> np.ndarray:
-    """The documented float32 butterfly, stage h = 1, 2, ..., size/2, then one multiply by
+    """The documented float32 butterfly, stage h = size/2, ..., 2, 1, then one multiply by
     float32(1/sqrt(size)) -- a loop implementation independent of the library's."""
     x = x.astype(np.float32).copy()
     n = x.shape[-1]
-    h = 1
-    while h < size:
+    h = size // 2
+    while h >= 1:
         for start in range(0, n, 2 * h):
             a = x[..., start:start + h].copy()
             b = x[..., start + h:start + 2 * h].copy()
             x[..., start:start + h] = a + b
             x[..., start + h:start + 2 * h] = a - b
-        h *= 2
+        h //= 2
     return x * np.float32(1.0 / math.sqrt(size))
 
 

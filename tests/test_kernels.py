@@ -157,3 +157,17 @@ def test_linear_on_triton_backend_equals_reference(recipe, modes):
     for ref, got in zip(outs[0], outs[1]):
         assert torch.equal(ref, got)
     assert not math.isnan(outs[0][0].sum().item())
+
+
+@pytest.mark.parametrize("dim,h,rounding", [(1, 32, "rne"), (0, 16, "sr"), (1, None, "sr")])
+def test_single_chunk_path_equals_two_pass(dim, h, rounding):
+    x = make((20, 200), seed=9)
+    kw = dict(hadamard_size=h, rounding=rounding, sr_seed=3, e4m3=True, sumsq=True, block_k=64)
+    two = quantize_operand_triton(x, dim, **kw)
+    one = quantize_operand_triton(x, dim, single_chunk_max=4096, **kw)
+    assert_same_mx(one["mx"], two["mx"])
+    assert torch.equal(one["e4m3"].view(torch.uint8), two["e4m3"].view(torch.uint8))
+    assert torch.equal(one["row_scale"], two["row_scale"])
+    assert torch.allclose(one["sumsq"], two["sumsq"], rtol=1e-5)
+    ref = quantize_operand(x, dim, OperandSpec(hadamard_size=h, rounding=rounding, sr_seed=3))
+    assert_same_mx(one["mx"], ref)

@@ -4,7 +4,7 @@ Each function mirrors a piece of ``formats.mxfp4`` / ``formats.rng`` / ``transfo
 operation for operation, so that the kernels' outputs are the reference's bits:
 
 * ``lowbias32``: the SR/sign hash on uint32 (wrapping multiplies, as the reference's mod-2**32);
-* ``fwht``: the butterfly stages h = 1, 2, .., H/2 in the reference's order;
+* ``fwht``: the butterfly with the reference's additions (stages h = H/2, .., 1);
 * ``block_exponent``: the four scale modes from amax's float32 bits (rceil's ``amax / 6`` is an
   IEEE round-to-nearest division, ``div_rn``: Triton's default fp32 ``/`` is approximate);
 * ``e2m1_codes_rne`` / ``e2m1_codes_sr``: the comparison chains of the reference;
@@ -39,15 +39,15 @@ def pow2(e):
 
 @triton.jit
 def fwht(x, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr):
-    """Unnormalised Walsh-Hadamard butterfly over groups of 2**LOG2_H along the last dim of a
-    [BLOCK_R, BLOCK_K] float32 tile; stage order h = 1, 2, 4, ... as in the reference."""
-    for s in tl.static_range(LOG2_H):
-        h: tl.constexpr = 1 << s
-        y = tl.reshape(x, (BLOCK_R, BLOCK_K // (2 * h), 2, h))
-        y = tl.permute(y, (0, 1, 3, 2))
-        a, b = tl.split(y)
-        y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
-        x = tl.reshape(y, (BLOCK_R, BLOCK_K))
+    """Unnormalised Walsh-Hadamard butterfly over groups of H = 2**LOG2_H along the last dim of a
+    [BLOCK_R, BLOCK_K] float32 tile, in constant-geometry form: each of the LOG2_H stages adds
+    the two halves of every group and interleaves (a + b, a - b). The additions are those of the
+    reference's stages h = H/2, ..., 1 (transforms.hadamard), so the bits are the same; every
+    stage has the same shape, so it needs one permute (no permute back)."""
+    for _ in tl.static_range(LOG2_H):
+        y = tl.reshape(x, (BLOCK_R, BLOCK_K >> LOG2_H, 2, 1 << (LOG2_H - 1)))
+        a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
+        x = tl.reshape(tl.join(a + b, a - b), (BLOCK_R, BLOCK_K))
     return x
 
 

@@ -75,78 +75,109 @@ def _blocks(x, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_MODE: tl.cons
 
 
 @triton.jit
+def _emit_chunk(
+    x, e, finite, e_rowmax, rows, row_ok, k0, KP, sr_key,
+    codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SR: tl.constexpr,
+    WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr,
+):
+    """Round one transformed chunk and write its scale bytes, packed codes and/or e4m3 form."""
+    NB: tl.constexpr = BLOCK_K // 32
+    if WRITE_PACKED:
+        bidx = k0 // 32 + tl.arange(0, NB)
+        smask = row_ok[:, None] & (bidx[None, :] < KP // 32)
+        sbyte = tl.where(finite, e + 127, 255).to(tl.uint8)
+        tl.store(scales_ptr + rows[:, None].to(tl.int64) * (KP // 32) + bidx[None, :], sbyte, mask=smask)
+
+    # Scale by 2**-e (a normal float32 for e in [-127, 126]), clamp, round.
+    xb = tl.reshape(x, (BLOCK_R, NB, 32))
+    v = xb * pow2(-e)[:, :, None]
+    v = tl.where(finite[:, :, None], v, 0.0)
+    v = tl.minimum(tl.maximum(v, -6.0), 6.0)
+    a = tl.abs(v)
+    if SR:
+        cols = k0 + tl.arange(0, BLOCK_K)
+        ctr = (rows[:, None].to(tl.int64) * KP + cols[None, :]).to(tl.uint32)
+        r = lowbias32(ctr ^ sr_key.to(tl.uint32))
+        u = (r >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+        c = e2m1_codes_sr(a, tl.reshape(u, (BLOCK_R, NB, 32)))
+    else:
+        c = e2m1_codes_rne(a)
+    sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+    if WRITE_PACKED:
+        code = tl.reshape(c | (sign << 3), (BLOCK_R, BLOCK_K // 2, 2))
+        lo, hi = tl.split(code)
+        packed = (lo | (hi << 4)).to(tl.uint8)
+        pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        pmask = row_ok[:, None] & (pcols[None, :] < KP // 2)
+        tl.store(codes_ptr + rows[:, None].to(tl.int64) * (KP // 2) + pcols[None, :], packed, mask=pmask)
+    if WRITE_E4M3:
+        shift = tl.maximum(e - e_rowmax[:, None] + 6, -126)  # below that it is 0 in e4m3 anyway
+        val = e2m1_value(c) * pow2(shift)[:, :, None]
+        val = tl.where(sign == 1, -val, val)
+        val = tl.reshape(val, (BLOCK_R, BLOCK_K)).to(tl.float8e4nv)
+        cols = k0 + tl.arange(0, BLOCK_K)
+        eoffs = rows[:, None].to(tl.int64) * KP + cols[None, :]
+        emask = row_ok[:, None] & (cols[None, :] < KP)
+        fin = tl.reshape(tl.broadcast_to(finite[:, :, None], (BLOCK_R, NB, 32)), (BLOCK_R, BLOCK_K))
+        tl.store(e4m3_ptr + eoffs, val, mask=emask & fin)
+        # Non-finite blocks get the e4m3 NaN byte 0x7F, stored as bits through a uint8 view of
+        # the same buffer (a NaN cast to fp8 is not portable: the interpreter gets it wrong).
+        nan_bits = tl.full((BLOCK_R, BLOCK_K), 0x7F, tl.uint8)
+        tl.store(e4m3_bits_ptr + eoffs, nan_bits, mask=emask & (~fin))
+
+
+@triton.jit
 def _mxfp4_quantize_kernel(
     x_ptr, stride_r, stride_k,
     codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, rowscale_ptr, sumsq_ptr,
     R, K, KP, sr_key, sign_key, norm,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
-    SCALE_MODE: tl.constexpr, SR: tl.constexpr,
+    SCALE_MODE: tl.constexpr, SR: tl.constexpr, SINGLE_CHUNK: tl.constexpr,
     WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr, WRITE_SUMSQ: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
-    NB: tl.constexpr = BLOCK_K // 32
 
-    # Pass 1 (only for the e4m3 form): each row's largest block exponent.
-    e_rowmax = tl.full((BLOCK_R,), -127, tl.int32)
-    if WRITE_E4M3:
+    if SINGLE_CHUNK:  # the whole (padded) row fits one chunk: one read, one transform
+        x = _load_transform(x_ptr, stride_r, stride_k, rows, 0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS)
+        e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
+        e_rowmax = tl.max(tl.where(finite, e, -127), axis=1)
+        if WRITE_E4M3:
+            tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok)
+        if WRITE_SUMSQ:
+            tl.store(sumsq_ptr + rows, tl.sum(x * x, axis=1), mask=row_ok)
+        _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, 0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3)
+    else:
+        # Pass 1 (only for the e4m3 form): each row's largest block exponent.
+        e_rowmax = tl.full((BLOCK_R,), -127, tl.int32)
+        if WRITE_E4M3:
+            for k0 in range(0, KP, BLOCK_K):
+                x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS)
+                e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
+                e_rowmax = tl.maximum(e_rowmax, tl.max(tl.where(finite, e, -127), axis=1))
+            tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok)
+        sumsq = tl.zeros((BLOCK_R,), tl.float32)
         for k0 in range(0, KP, BLOCK_K):
             x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS)
+            if WRITE_SUMSQ:
+                sumsq += tl.sum(x * x, axis=1)
             e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
-            e_rowmax = tl.maximum(e_rowmax, tl.max(tl.where(finite, e, -127), axis=1))
-        tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok)
-
-    sumsq = tl.zeros((BLOCK_R,), tl.float32)
-    for k0 in range(0, KP, BLOCK_K):
-        x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS)
+            _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, k0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3)
         if WRITE_SUMSQ:
-            sumsq += tl.sum(x * x, axis=1)
-        e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
-        bidx = k0 // 32 + tl.arange(0, NB)
-        smask = row_ok[:, None] & (bidx[None, :] < KP // 32)
-        if WRITE_PACKED:
-            sbyte = tl.where(finite, e + 127, 255).to(tl.uint8)
-            tl.store(scales_ptr + rows[:, None].to(tl.int64) * (KP // 32) + bidx[None, :], sbyte, mask=smask)
+            tl.store(sumsq_ptr + rows, sumsq, mask=row_ok)
 
-        # Scale by 2**-e (a normal float32 for e in [-127, 126]), clamp, round.
-        xb = tl.reshape(x, (BLOCK_R, NB, 32))
-        v = xb * pow2(-e)[:, :, None]
-        v = tl.where(finite[:, :, None], v, 0.0)
-        v = tl.minimum(tl.maximum(v, -6.0), 6.0)
-        a = tl.abs(v)
-        if SR:
-            cols = k0 + tl.arange(0, BLOCK_K)
-            ctr = (rows[:, None].to(tl.int64) * KP + cols[None, :]).to(tl.uint32)
-            r = lowbias32(ctr ^ sr_key.to(tl.uint32))
-            u = (r >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
-            c = e2m1_codes_sr(a, tl.reshape(u, (BLOCK_R, NB, 32)))
-        else:
-            c = e2m1_codes_rne(a)
-        sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
-        if WRITE_PACKED:
-            code = tl.reshape(c | (sign << 3), (BLOCK_R, BLOCK_K // 2, 2))
-            lo, hi = tl.split(code)
-            packed = (lo | (hi << 4)).to(tl.uint8)
-            pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            pmask = row_ok[:, None] & (pcols[None, :] < KP // 2)
-            tl.store(codes_ptr + rows[:, None].to(tl.int64) * (KP // 2) + pcols[None, :], packed, mask=pmask)
-        if WRITE_E4M3:
-            shift = tl.maximum(e - e_rowmax[:, None] + 6, -126)  # below that it is 0 in e4m3 anyway
-            val = e2m1_value(c) * pow2(shift)[:, :, None]
-            val = tl.where(sign == 1, -val, val)
-            val = tl.reshape(val, (BLOCK_R, BLOCK_K)).to(tl.float8e4nv)
-            cols = k0 + tl.arange(0, BLOCK_K)
-            eoffs = rows[:, None].to(tl.int64) * KP + cols[None, :]
-            emask = row_ok[:, None] & (cols[None, :] < KP)
-            fin = tl.reshape(tl.broadcast_to(finite[:, :, None], (BLOCK_R, NB, 32)), (BLOCK_R, BLOCK_K))
-            tl.store(e4m3_ptr + eoffs, val, mask=emask & fin)
-            # Non-finite blocks get the e4m3 NaN byte 0x7F, stored as bits through a uint8 view of
-            # the same buffer (a NaN cast to fp8 is not portable: the interpreter gets it wrong).
-            nan_bits = tl.full((BLOCK_R, BLOCK_K), 0x7F, tl.uint8)
-            tl.store(e4m3_bits_ptr + eoffs, nan_bits, mask=emask & (~fin))
-    if WRITE_SUMSQ:
-        tl.store(sumsq_ptr + rows, sumsq, mask=row_ok)
+
+# Launch configurations by (quantization dim of the 2-D operand, e4m3 output?): block_r rows per
+# program, block_k columns per chunk, warps, and the longest padded row handled in one chunk
+# (one read instead of two for the e4m3 form). Tuned on the H200 by benchmarks/bench_hopper.py.
+DEFAULT_LAUNCH = dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=0)
+LAUNCH_CONFIGS: dict[tuple[int, bool], dict] = {}
+
+
+def launch_config(dim: int, e4m3: bool) -> dict:
+    return dict(LAUNCH_CONFIGS.get((dim % 2, e4m3), DEFAULT_LAUNCH))
 
 
 def sr_key(seed: int) -> int:
@@ -167,9 +198,10 @@ def quantize_operand_triton(
     packed: bool = True,
     e4m3: bool = False,
     sumsq: bool = False,
-    block_r: int = 16,
-    block_k: int = 256,
-    num_warps: int = 4,
+    block_r: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    single_chunk_max: int | None = None,
 ):
     """Quantize 2-D ``x`` along ``dim`` with the fused kernel. Returns a dict with, as asked,
     ``"mx"`` (MXFP4Tensor), ``"e4m3"`` ([R, KP] float8_e4m3fn), ``"row_scale"`` ([R] float32)
@@ -181,6 +213,11 @@ def quantize_operand_triton(
     if rounding == "sr" and sr_seed is None:
         raise ValueError("stochastic rounding needs sr_seed")
     dim = dim % 2
+    cfg = launch_config(dim, e4m3)
+    block_r = cfg["block_r"] if block_r is None else block_r
+    block_k = cfg["block_k"] if block_k is None else block_k
+    num_warps = cfg["num_warps"] if num_warps is None else num_warps
+    single_chunk_max = cfg["single_chunk_max"] if single_chunk_max is None else single_chunk_max
     view = x if dim == 1 else x.t()  # logical [R, K]: K = contraction dim
     R, K = view.shape
     align = max(32, hadamard_size or 1)
@@ -188,6 +225,9 @@ def quantize_operand_triton(
     if R * KP >= 2**32:
         raise ValueError(f"operand too large for 32-bit SR counters: {R} x {KP}")
     block_k = max(block_k, align)
+    single = 0 < KP <= single_chunk_max  # one chunk per row: one read instead of two for e4m3
+    if single:
+        block_k = triton.next_power_of_2(KP)
     log2_h = (hadamard_size or 1).bit_length() - 1
     dev = x.device
     codes = torch.empty((R, KP // 2), dtype=torch.uint8, device=dev) if packed else None
@@ -207,7 +247,7 @@ def quantize_operand_triton(
         _lowbias32_int(signs_seed) if signs_seed is not None else 0,
         HADAMARD_NORM[hadamard_size] if hadamard_size else 1.0,
         BLOCK_R=block_r, BLOCK_K=block_k, LOG2_H=log2_h, HAS_SIGNS=signs_seed is not None,
-        SCALE_MODE=SCALE_MODE_IDS[scale_mode], SR=rounding == "sr",
+        SCALE_MODE=SCALE_MODE_IDS[scale_mode], SR=rounding == "sr", SINGLE_CHUNK=single,
         WRITE_PACKED=packed, WRITE_E4M3=e4m3, WRITE_SUMSQ=sumsq,
         num_warps=num_warps,
     )

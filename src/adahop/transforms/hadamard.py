@@ -9,9 +9,11 @@ A B``: applied to both operands along a GEMM's inner dim (IHT) it needs no inver
 Numerics (the contract the Triton kernels reproduce bit for bit). In float32 (float64 inputs stay
 float64, for exactness tests):
 1. multiply by the signs (exact);
-2. the fast Walsh-Hadamard butterfly, stages ``h = 1, 2, 4, ..., size/2`` in that order, each
+2. the fast Walsh-Hadamard butterfly, stages ``h = size/2, size/4, ..., 1`` in that order, each
    replacing the pair ``(a, b) = (x[i], x[i + h])`` (i in the lower half of each 2h-group) by
-   ``(a + b, a - b)``;
+   ``(a + b, a - b)``. (This order is the one the kernels compute in "constant geometry" form:
+   every stage adds the two halves of the group and interleaves ``(a + b, a - b)``, which is the
+   same additions on the same operands, with one data movement pattern for all stages.)
 3. one multiply by ``HADAMARD_NORM[size]``, ``1/sqrt(size)`` rounded to float32 (a power of two,
    hence exact, for sizes 16, 64, 256).
 A tensor-core dot would be faster to write but its accumulation order is unspecified, so no
@@ -65,12 +67,12 @@ def random_signs(n: int, seed: int, device: torch.device | str | None = None) ->
 def _fwht_last(x: torch.Tensor, size: int) -> torch.Tensor:
     """Unnormalised Walsh-Hadamard butterfly over blocks of ``size`` along the last dim."""
     shape = x.shape
-    h = 1
-    while h < size:
+    h = size // 2
+    while h >= 1:
         y = x.reshape(*shape[:-1], shape[-1] // (2 * h), 2, h)
         a, b = y[..., 0, :], y[..., 1, :]
         x = torch.stack((a + b, a - b), dim=-2).reshape(shape)
-        h *= 2
+        h //= 2
     return x
 
 
