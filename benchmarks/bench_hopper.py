@@ -237,6 +237,31 @@ def section_linear(res, recipes, shapes, with_reference, with_torchao):
     res["linear_speedup_vs_bf16" if not with_torchao else "torchao_speedup_vs_bf16"] = rows
 
 
+# ---- profile: where the time of one AdaHOP linear goes ---------------------------------------------
+def section_profile(res, recipe="adahop_lv2", shape=(14336, 4096)):
+    N, K = shape
+    layer = make_layer(recipe, N, K, "hopper_fp8")
+    x = activation((T, K)).requires_grad_()
+    g = activation((T, N), seed=5)
+    run = fwd_bwd_fn(layer, x, g)
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            run()
+        torch.cuda.synchronize()
+    table = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            table.append((ev.key[:90], t / 5 / 1000.0, ev.count // 5))
+    table.sort(key=lambda r: -r[1])
+    res["profile"] = dict(recipe=recipe, shape=shape, per_iteration_ms=[list(r) for r in table[:25]])
+    for name, ms, n in table[:25]:
+        print(f"  prof {ms:7.3f} ms  x{n:<3d} {name}", flush=True)
+
+
 # ---- 5. memory ----------------------------------------------------------------------------------
 def section_memory(res):
     N, K = 14336, 4096
@@ -289,6 +314,8 @@ def main():
                 section_linear(res, args.recipes.split(","), shapes, with_reference=True, with_torchao=False)
             elif name == "torchao":
                 section_linear(res, [], [(14336, 4096)], with_reference=False, with_torchao=True)
+            elif name == "profile":
+                section_profile(res)
             elif name == "memory":
                 section_memory(res)
         except Exception:
