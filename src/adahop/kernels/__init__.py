@@ -1,0 +1,8 @@
+"""Triton kernels (imported only where triton is installed; defined whatever the GPU, so they
+run on the CPU under ``TRITON_INTERPRET=1``; the hardware is chosen in ``ops.backends``).
+
+* ``quantize``: fused [random signs +] block Hadamard + MXFP4 quantization of a GEMM operand,
+  writing the packed form and/or the e4m3 + row-scale form of the Hopper FP8 GEMM;
+* ``unpack``: packed MXFP4 (what the forward saves) -> e4m3 + row scale;
+* ``mxfp4_math``: the device functions they share, mirroring the reference numerics.
+"""
