@@ -52,6 +52,19 @@ def fwht(x, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr):
 
 
 @triton.jit
+def fwht_inplace(x, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr):
+    """The same butterfly in the in-place form (stage h = H/2, ..., 1 pairs x[i] with x[i + h]):
+    the same additions, so the same bits as ``fwht``; the stages with small h stay inside a
+    thread's registers, where the constant-geometry form moves data at every stage."""
+    for s in tl.static_range(LOG2_H):
+        y = tl.reshape(x, (BLOCK_R, BLOCK_K >> (LOG2_H - s), 2, 1 << (LOG2_H - 1 - s)))
+        a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
+        y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+        x = tl.reshape(y, (BLOCK_R, BLOCK_K))
+    return x
+
+
+@triton.jit
 def block_exponent(amax, SCALE_MODE: tl.constexpr):
     """Unbiased E8M0 exponent (int32, clamped to [-127, 127]) of blocks with finite amax >= 0."""
     if SCALE_MODE == 3:  # rceil: ceil(log2(fp32(amax / 6)))

@@ -24,6 +24,8 @@ recomputes the chunk (its reload mostly hits L2) and writes the elements.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -37,6 +39,7 @@ from adahop.kernels.mxfp4_math import (
     e2m1_codes_sr,
     e2m1_value,
     fwht,
+    fwht_inplace,
     lowbias32,
     pow2,
 )
@@ -49,6 +52,7 @@ E4M3_SHIFT = 6  # 6 * 2**6 = 384 <= 448, e4m3's largest normal
 def _load_transform(
     x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
+    FWHT_INPLACE: tl.constexpr,
 ):
     cols = k0 + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < R) & (cols[None, :] < K)
@@ -58,7 +62,10 @@ def _load_transform(
         bit = lowbias32(cols.to(tl.uint32) ^ sign_key.to(tl.uint32)) >> 31
         x = x * (1.0 - 2.0 * bit.to(tl.float32))[None, :]
     if LOG2_H > 0:
-        x = fwht(x, BLOCK_R, BLOCK_K, LOG2_H) * norm
+        if FWHT_INPLACE:
+            x = fwht_inplace(x, BLOCK_R, BLOCK_K, LOG2_H) * norm
+        else:
+            x = fwht(x, BLOCK_R, BLOCK_K, LOG2_H) * norm
     return x
 
 
@@ -79,7 +86,7 @@ def _emit_chunk(
     x, e, finite, e_rowmax, rows, row_ok, k0, KP, sr_key,
     codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SR: tl.constexpr,
-    WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr,
+    WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr, NAN_BY_CAST: tl.constexpr,
 ):
     """Round one transformed chunk and write its scale bytes, packed codes and/or e4m3 form."""
     NB: tl.constexpr = BLOCK_K // 32
@@ -115,16 +122,22 @@ def _emit_chunk(
         shift = tl.maximum(e - e_rowmax[:, None] + 6, -126)  # below that it is 0 in e4m3 anyway
         val = e2m1_value(c) * pow2(shift)[:, :, None]
         val = tl.where(sign == 1, -val, val)
-        val = tl.reshape(val, (BLOCK_R, BLOCK_K)).to(tl.float8e4nv)
         cols = k0 + tl.arange(0, BLOCK_K)
         eoffs = rows[:, None].to(tl.int64) * KP + cols[None, :]
         emask = row_ok[:, None] & (cols[None, :] < KP)
-        fin = tl.reshape(tl.broadcast_to(finite[:, :, None], (BLOCK_R, NB, 32)), (BLOCK_R, BLOCK_K))
-        tl.store(e4m3_ptr + eoffs, val, mask=emask & fin)
-        # Non-finite blocks get the e4m3 NaN byte 0x7F, stored as bits through a uint8 view of
-        # the same buffer (a NaN cast to fp8 is not portable: the interpreter gets it wrong).
-        nan_bits = tl.full((BLOCK_R, BLOCK_K), 0x7F, tl.uint8)
-        tl.store(e4m3_bits_ptr + eoffs, nan_bits, mask=emask & (~fin))
+        if NAN_BY_CAST:
+            # One store whose mask does not depend on the data, so it vectorizes (16 B per
+            # thread); the GPU's cvt to e4m3 turns NaN into the NaN byte 0x7F.
+            val = tl.where(finite[:, :, None], val, float("nan"))
+            tl.store(e4m3_ptr + eoffs, tl.reshape(val, (BLOCK_R, BLOCK_K)).to(tl.float8e4nv), mask=emask)
+        else:
+            # Portable twin for the interpreter, whose fp8 cast gets NaN wrong: non-finite blocks
+            # get 0x7F through a uint8 view of the same buffer.
+            val = tl.reshape(val, (BLOCK_R, BLOCK_K)).to(tl.float8e4nv)
+            fin = tl.reshape(tl.broadcast_to(finite[:, :, None], (BLOCK_R, NB, 32)), (BLOCK_R, BLOCK_K))
+            tl.store(e4m3_ptr + eoffs, val, mask=emask & fin)
+            nan_bits = tl.full((BLOCK_R, BLOCK_K), 0x7F, tl.uint8)
+            tl.store(e4m3_bits_ptr + eoffs, nan_bits, mask=emask & (~fin))
 
 
 @triton.jit
@@ -135,36 +148,37 @@ def _mxfp4_quantize_kernel(
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
     SCALE_MODE: tl.constexpr, SR: tl.constexpr, SINGLE_CHUNK: tl.constexpr,
     WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr, WRITE_SUMSQ: tl.constexpr,
+    NAN_BY_CAST: tl.constexpr, FWHT_INPLACE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
 
     if SINGLE_CHUNK:  # the whole (padded) row fits one chunk: one read, one transform
-        x = _load_transform(x_ptr, stride_r, stride_k, rows, 0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS)
+        x = _load_transform(x_ptr, stride_r, stride_k, rows, 0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE)
         e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
         e_rowmax = tl.max(tl.where(finite, e, -127), axis=1)
         if WRITE_E4M3:
             tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok)
         if WRITE_SUMSQ:
             tl.store(sumsq_ptr + rows, tl.sum(x * x, axis=1), mask=row_ok)
-        _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, 0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3)
+        _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, 0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST)
     else:
         # Pass 1 (only for the e4m3 form): each row's largest block exponent.
         e_rowmax = tl.full((BLOCK_R,), -127, tl.int32)
         if WRITE_E4M3:
             for k0 in range(0, KP, BLOCK_K):
-                x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS)
+                x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE)
                 e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
                 e_rowmax = tl.maximum(e_rowmax, tl.max(tl.where(finite, e, -127), axis=1))
             tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok)
         sumsq = tl.zeros((BLOCK_R,), tl.float32)
         for k0 in range(0, KP, BLOCK_K):
-            x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS)
+            x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE)
             if WRITE_SUMSQ:
                 sumsq += tl.sum(x * x, axis=1)
             e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
-            _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, k0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3)
+            _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, k0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST)
         if WRITE_SUMSQ:
             tl.store(sumsq_ptr + rows, sumsq, mask=row_ok)
 
@@ -202,6 +216,7 @@ def quantize_operand_triton(
     block_k: int | None = None,
     num_warps: int | None = None,
     single_chunk_max: int | None = None,
+    fwht_inplace: bool | None = None,
 ):
     """Quantize 2-D ``x`` along ``dim`` with the fused kernel. Returns a dict with, as asked,
     ``"mx"`` (MXFP4Tensor), ``"e4m3"`` ([R, KP] float8_e4m3fn), ``"row_scale"`` ([R] float32)
@@ -218,6 +233,7 @@ def quantize_operand_triton(
     block_k = cfg["block_k"] if block_k is None else block_k
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
     single_chunk_max = cfg["single_chunk_max"] if single_chunk_max is None else single_chunk_max
+    fwht_inplace = cfg.get("fwht_inplace", False) if fwht_inplace is None else fwht_inplace
     view = x if dim == 1 else x.t()  # logical [R, K]: K = contraction dim
     R, K = view.shape
     align = max(32, hadamard_size or 1)
@@ -249,6 +265,8 @@ def quantize_operand_triton(
         BLOCK_R=block_r, BLOCK_K=block_k, LOG2_H=log2_h, HAS_SIGNS=signs_seed is not None,
         SCALE_MODE=SCALE_MODE_IDS[scale_mode], SR=rounding == "sr", SINGLE_CHUNK=single,
         WRITE_PACKED=packed, WRITE_E4M3=e4m3, WRITE_SUMSQ=sumsq,
+        NAN_BY_CAST=os.environ.get("TRITON_INTERPRET") != "1",
+        FWHT_INPLACE=fwht_inplace,
         num_warps=num_warps,
     )
     out = {}
