@@ -184,9 +184,12 @@ def _mxfp4_quantize_kernel(
 
 
 # Launch configurations by (quantization dim of the 2-D operand, e4m3 output?): block_r rows per
-# program, block_k columns per chunk, warps, and the longest padded row handled in one chunk
-# (one read instead of two for the e4m3 form). Tuned on the H200 by benchmarks/bench_hopper.py.
-DEFAULT_LAUNCH = dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=0)
+# program, block_k columns per chunk, warps, the longest padded row handled in one chunk (one
+# read instead of two for the e4m3 form) and the butterfly form. Measured on the H200
+# (benchmarks/results/hopper_h200.md, run 11): 16 x 256 with 4 warps and the in-place butterfly
+# was the fastest for 4 of the 5 variants; single-chunk rows spill registers on long rows
+# (g [16384, 14336]: run 7), so they are off by default.
+DEFAULT_LAUNCH = dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=0, fwht_inplace=True)
 LAUNCH_CONFIGS: dict[tuple[int, bool], dict] = {}
 
 
@@ -233,7 +236,7 @@ def quantize_operand_triton(
     block_k = cfg["block_k"] if block_k is None else block_k
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
     single_chunk_max = cfg["single_chunk_max"] if single_chunk_max is None else single_chunk_max
-    fwht_inplace = cfg.get("fwht_inplace", False) if fwht_inplace is None else fwht_inplace
+    fwht_inplace = cfg["fwht_inplace"] if fwht_inplace is None else fwht_inplace
     view = x if dim == 1 else x.t()  # logical [R, K]: K = contraction dim
     R, K = view.shape
     align = max(32, hadamard_size or 1)
