@@ -1,0 +1,254 @@
+"""The training loop: AdamW with warm-up + cosine decay, gradient clipping and accumulation,
+optional BF16 autocast, AdaHOP calibration handled by the layers themselves, JSONL logs, a
+progress bar, atomic checkpoints and exact resume.
+
+Exact resume: a checkpoint holds everything the next step depends on (model, including the AdaHOP
+layers' calibration votes, modes and SR call counters; optimizer; data position; RNG states; the
+step). Loading it and continuing gives the same loss sequence, bit for bit on the CPU, as a run
+that was never interrupted (tested).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import adahop
+from adahop.train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs. Build one with a preset of ``train.recipes``."""
+
+    # what
+    recipe: str = "adahop_lv2"  # the AdaHOP numerics recipe (adahop.RECIPES)
+    model_size: str = "tiny"  # train.model SIZES
+    corpus_dir: str = "runs/corpus"
+    out_dir: str = "runs/debug"
+    # how long, how big
+    steps: int = 20
+    batch_size: int = 4
+    grad_accum: int = 1
+    seq_len: int = 64
+    # optimizer (the paper's: AdamW lr 4e-4, eps 1e-8, 200 warm-up steps)
+    lr: float = 4e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 200
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    # AdaHOP
+    calibration_steps: int = 30
+    oe_k: int = 64
+    backend: str = "auto"
+    # machinery
+    seed: int = 0
+    device: str = "auto"
+    autocast: str = "auto"  # "bf16", "none", or "auto": bf16 on CUDA, none on CPU
+    log_every: int = 1
+    eval_every: int = 0  # 0: only at the end
+    eval_batches: int = 8
+    ckpt_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 2
+    progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.recipe not in adahop.RECIPES:
+            raise ValueError(f"unknown recipe {self.recipe!r}; known: {tuple(adahop.RECIPES)}")
+        for name in ("steps", "batch_size", "grad_accum", "seq_len", "calibration_steps", "oe_k", "eval_batches"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        for name in ("warmup_steps", "eval_every", "ckpt_every", "log_every", "keep_checkpoints"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"lr must be > 0 and min_lr_ratio in [0, 1], got {self.lr}, {self.min_lr_ratio}")
+        if self.autocast not in ("auto", "bf16", "none"):
+            raise ValueError(f"autocast must be 'auto', 'bf16' or 'none', got {self.autocast!r}")
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr``
+    at the last step. ``step`` counts from 0."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not on norms, biases or the embedding)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 and "embedding" not in name else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+class JsonlLog:
+    """Append-only JSONL log; a resumed run truncates entries after its checkpoint's step."""
+
+    def __init__(self, path: Path, resume_step: int | None):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is None:
+            path.write_text("")
+        elif path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+
+def train(
+    cfg: TrainConfig,
+    *,
+    model: nn.Module,
+    train_batches,
+    eval_fn: Callable[[nn.Module], dict] | None = None,
+    resume: bool = True,
+    stop_after: int | None = None,
+) -> dict:
+    """Train ``model`` (already converted by the caller or not: this function converts it with
+    ``cfg.recipe`` if it holds no AdaHOP layer) on ``train_batches`` (an iterator of
+    ``(inputs, targets)`` LongTensors with ``state_dict``/``load_state_dict``).
+
+    ``stop_after``: stop after that many steps of this call (to test interruption). Returns a
+    summary: losses per step, final eval, tokens/s, peak memory."""
+    cfg.validate()
+    out = Path(cfg.out_dir)
+    device = resolve_device(cfg.device)
+    use_bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
+    torch.manual_seed(cfg.seed)
+
+    if not adahop.adahop_layers(model):
+        qcfg = adahop.AdaHOPConfig.from_recipe_name(
+            cfg.recipe, calibration_steps=cfg.calibration_steps, backend=cfg.backend, seed=cfg.seed
+        ).with_gemm_settings(oe_k=cfg.oe_k)
+        adahop.convert_to_adahop_training(model, config=qcfg)
+    model.to(device).train()
+    opt = make_optimizer(model, cfg)
+
+    start_step = 0
+    ckpt_dir = out / "checkpoints"
+    found = latest_checkpoint(ckpt_dir) if resume else None
+    if found is not None:
+        state = load_checkpoint(found, map_location=device)
+        if state["config"]["recipe"] != cfg.recipe or state["config"]["model_size"] != cfg.model_size:
+            raise ValueError(f"{found} is a {state['config']['recipe']}/{state['config']['model_size']} run; this one is {cfg.recipe}/{cfg.model_size}")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        train_batches.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+        start_step = state["step"]
+    log = JsonlLog(out / "log.jsonl", start_step if found is not None else None)
+    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    bar = _progress(cfg.steps, start_step, cfg.progress)
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
+    losses, t_start, steps_done = [], time.perf_counter(), 0
+    step = start_step
+    eval_result = None
+    while step < cfg.steps:
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for _ in range(cfg.grad_accum):
+            inputs, targets = next(train_batches)
+            inputs, targets = inputs.to(device), targets.to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+                logits = model(inputs)
+            loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            (loss / cfg.grad_accum).backward()
+            loss_sum += loss.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
+        opt.step()
+        step += 1
+        steps_done += 1
+        loss_val = loss_sum / cfg.grad_accum
+        if not math.isfinite(loss_val):
+            raise FloatingPointError(f"loss is {loss_val} at step {step} ({cfg.recipe}); stopping")
+        losses.append(loss_val)
+        dt = time.perf_counter() - t0
+        record = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm,
+                  "tokens": step * tokens_per_step, "tok_per_s": tokens_per_step / dt,
+                  "calibrated": adahop.is_calibrated(model)}
+        if cfg.eval_every and step % cfg.eval_every == 0 and eval_fn is not None and step < cfg.steps:
+            record["eval"] = eval_fn(model)
+        if cfg.log_every and (step % cfg.log_every == 0 or step == cfg.steps):
+            log.write(record)
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss_val:.4f}", tok_s=f"{record['tok_per_s']:.0f}")
+            bar.update(1)
+        last = step == cfg.steps or (stop_after is not None and steps_done >= stop_after)
+        if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or last:
+            save_checkpoint(ckpt_dir, step, {
+                "step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "data": train_batches.state_dict(), "rng": rng_state(), "config": asdict(cfg),
+            }, keep=cfg.keep_checkpoints)
+        if stop_after is not None and steps_done >= stop_after:
+            break
+    if bar is not None:
+        bar.close()
+    elapsed = time.perf_counter() - t_start
+    if step == cfg.steps and eval_fn is not None:
+        eval_result = eval_fn(model)
+        log.write({"step": step, "final_eval": eval_result})
+    summary = {
+        "recipe": cfg.recipe, "model_size": cfg.model_size, "steps": step, "losses": losses,
+        "tokens_per_s": steps_done * tokens_per_step / elapsed if elapsed > 0 else None,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "final_eval": eval_result,
+    }
+    if step == cfg.steps:
+        modes = {fqn: dict(layer.modes or {}) for fqn, layer in adahop.adahop_layers(model).items()}
+        (out / "modes.json").write_text(json.dumps(modes, indent=1))
+        (out / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1))
+    return summary
+
+
+def read_log(run_dir: str | os.PathLike) -> list[dict]:
+    path = Path(run_dir) / "log.jsonl"
+    if not path.exists():
+        raise ValueError(f"no training log at {path}")
+    return [json.loads(line) for line in path.read_text().splitlines() if line]

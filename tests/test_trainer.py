@@ -1,0 +1,137 @@
+"""The training loop: schedule, every recipe trains, exact resume, atomic checkpoints, safe loading."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import adahop
+from adahop.demo import TinyLM
+from adahop.train import checkpoint as ckpt
+from adahop.train.trainer import TrainConfig, lr_at, read_log, train
+
+VOCAB, SEQ = 64, 32
+
+
+class CountingBatches:
+    """Learnable synthetic data: each row counts up by a random stride from a random start
+    (mod VOCAB). Seeded; its position is its generator state."""
+
+    def __init__(self, batch=4, seed=0):
+        self.batch = batch
+        self.g = torch.Generator().manual_seed(seed)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        start = torch.randint(0, VOCAB, (self.batch, 1), generator=self.g)
+        stride = torch.randint(1, 4, (self.batch, 1), generator=self.g)
+        seq = (start + stride * torch.arange(SEQ + 1)) % VOCAB
+        return seq[:, :-1], seq[:, 1:]
+
+    def state_dict(self):
+        return {"generator": self.g.get_state()}
+
+    def load_state_dict(self, state):
+        self.g.set_state(state["generator"])
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return TinyLM(vocab=VOCAB, d=64, layers=2, heads=4, seq_len=SEQ)
+
+
+def config(tmp_path, **kw):
+    base = dict(recipe="adahop_lv2", out_dir=str(tmp_path / "run"), steps=8, batch_size=4, seq_len=SEQ,
+                lr=3e-3, warmup_steps=2, calibration_steps=2, oe_k=4, progress=False, device="cpu")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_lr_schedule():
+    cfg = TrainConfig(steps=100, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(1e-4)
+    assert lr_at(9, cfg) == pytest.approx(1e-3)
+    assert lr_at(10, cfg) == pytest.approx(1e-3)
+    assert lr_at(55, cfg) == pytest.approx(0.55e-3)  # cosine midpoint between 1e-3 and 1e-4
+    assert lr_at(100, cfg) == pytest.approx(1e-4)
+    assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 99))
+
+
+@pytest.mark.parametrize("recipe", list(adahop.RECIPES))
+def test_every_recipe_trains(recipe, tmp_path):
+    cfg = config(tmp_path, recipe=recipe, steps=30)
+    summary = train(cfg, model=tiny_model(), train_batches=CountingBatches())
+    losses = summary["losses"]
+    assert len(losses) == 30 and all(math.isfinite(v) for v in losses)
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
+    log = read_log(cfg.out_dir)
+    assert [r["step"] for r in log] == list(range(1, 31))
+    modes = json.loads((tmp_path / "run" / "modes.json").read_text())
+    assert len(modes) == 8 and all(set(m) == {"fprop", "dgrad", "wgrad"} for m in modes.values())
+
+
+def test_resume_gives_the_same_losses(tmp_path):
+    full = train(config(tmp_path / "a", ckpt_every=4), model=tiny_model(), train_batches=CountingBatches())
+    cfg = config(tmp_path / "b", ckpt_every=4)
+    first = train(cfg, model=tiny_model(), train_batches=CountingBatches(), stop_after=4)
+    assert first["steps"] == 4
+    # a new process: fresh model (other init) and fresh data iterator, restored from the checkpoint
+    second = train(cfg, model=tiny_model(seed=123), train_batches=CountingBatches(seed=99))
+    assert first["losses"] + second["losses"] == full["losses"]  # bit for bit
+    assert [r["loss"] for r in read_log(cfg.out_dir)] == full["losses"]
+
+
+def test_resume_refuses_another_recipe(tmp_path):
+    cfg = config(tmp_path, steps=4)
+    train(cfg, model=tiny_model(), train_batches=CountingBatches(), stop_after=2)
+    with pytest.raises(ValueError, match="adahop_lv2"):
+        train(config(tmp_path, steps=4, recipe="bf16"), model=tiny_model(), train_batches=CountingBatches())
+
+
+def test_interrupted_checkpoint_write_keeps_the_previous(tmp_path, monkeypatch):
+    folder = tmp_path / "ck"
+    ckpt.save_checkpoint(folder, 1, {"step": 1, "w": torch.ones(3)})
+
+    def broken_save(obj, f):
+        f.write(b"PK\x03\x04 partial")
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(ckpt.torch, "save", broken_save)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(folder, 2, {"step": 2, "w": torch.zeros(3)})
+    assert ckpt.latest_checkpoint(folder).name == "step_000000001.pt"
+    assert sorted(p.name for p in folder.iterdir()) == ["latest", "step_000000001.pt"]  # no temp left
+    state = ckpt.load_checkpoint(ckpt.latest_checkpoint(folder))
+    assert state["step"] == 1 and torch.equal(state["w"], torch.ones(3))
+
+
+class _Evil:
+    def __reduce__(self):
+        return (exec, ("import pathlib; pathlib.Path('PWNED').write_text('x')",))
+
+
+def test_checkpoint_loading_runs_no_code(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "step_000000001.pt"
+    torch.save({"step": 1, "payload": _Evil()}, path)
+    with pytest.raises(ValueError, match="cannot load checkpoint"):
+        ckpt.load_checkpoint(path)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_truncated_checkpoint_is_a_clear_error(tmp_path):
+    path = tmp_path / "step_000000001.pt"
+    torch.save({"step": 1, "w": torch.ones(1000)}, path)
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError, match="step_000000001.pt"):
+        ckpt.load_checkpoint(path)
+
+
+def test_bad_config_is_refused_before_work(tmp_path):
+    with pytest.raises(ValueError, match="known"):
+        train(config(tmp_path, recipe="fp3"), model=tiny_model(), train_batches=CountingBatches())
+    with pytest.raises(ValueError, match="steps"):
+        train(config(tmp_path, steps=0), model=tiny_model(), train_batches=CountingBatches())
