@@ -1,93 +1,455 @@
-"""The Llama-style model: shapes, causality, RoPE, GQA, sizes, conversion, bad input."""
+"""The Llama-style model (adahop.train.model): shapes and dtypes, causality, RoPE, grouped-query
+attention, tied embeddings, parameter counts and named sizes, init, AdaHOP conversion, training,
+bad input."""
+
+import dataclasses
+import math
 
 import pytest
 import torch
+from torch import nn
 
 import adahop
-from adahop.train.model import SIZES, Llama, LlamaConfig, apply_rope, rope_tables
+from adahop.train.model import (
+    SIZES,
+    Llama,
+    LlamaConfig,
+    RMSNorm,
+    apply_rope,
+    num_params,
+    repeat_kv,
+    rope_tables,
+)
+
+VOCAB = 97
+BLOCK_LINEARS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 
 
-def tiny(**kw):
-    torch.manual_seed(0)
-    return Llama(LlamaConfig.from_size("tiny", vocab_size=97, max_seq_len=32, **kw))
+def tiny_config(**kw) -> LlamaConfig:
+    return LlamaConfig.from_size("tiny", vocab_size=VOCAB, max_seq_len=32, **kw)
 
 
-def test_shapes_and_causality():
+def tiny(seed=0, **kw) -> Llama:
+    torch.manual_seed(seed)
+    return Llama(tiny_config(**kw))
+
+
+def tokens(b, t, seed=1, vocab=VOCAB):
+    return torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------- shapes, dtypes, causality
+
+
+def test_shapes_and_dtypes():
     m = tiny()
-    x = torch.randint(0, 97, (2, 16))
+    x = tokens(3, 17)
     y = m(x)
-    assert y.shape == (2, 16, 97) and y.dtype == torch.float32
-    x2 = x.clone()
-    x2[:, 10] = (x2[:, 10] + 1) % 97
-    y2 = m(x2)
-    assert torch.equal(y[:, :10], y2[:, :10]) and not torch.equal(y[:, 10:], y2[:, 10:])
+    assert y.shape == (3, 17, VOCAB) and y.dtype == torch.float32 and torch.isfinite(y).all()
+    # int32 ids give the same logits as int64
+    assert torch.equal(m(x.to(torch.int32)), y)
+    # the full context length is allowed
+    assert m(tokens(1, 32)).shape == (1, 32, VOCAB)
+    # parameters are float32, the model has no biases
+    assert all(p.dtype == torch.float32 for p in m.parameters())
+    assert all(mod.bias is None for mod in m.modules() if isinstance(mod, nn.Linear))
 
 
-def test_rope_preserves_norms_and_depends_on_offsets_only():
-    cos, sin = rope_tables(8, 64, 10000.0)
-    q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
-    def rot(v, pos):
-        return apply_rope(v, cos[pos:pos + 1], sin[pos:pos + 1])
-    assert torch.allclose(rot(q, 5).norm(), q.norm(), rtol=1e-5)
-    dots = [(rot(q, p + 3) * rot(k, p)).sum().item() for p in (0, 7, 20)]
-    assert max(dots) - min(dots) < 1e-4
+def test_autocast_bf16_on_cpu():
+    m = tiny()
+    x = tokens(2, 16)
+    ref = m(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)
+    assert y.dtype == torch.bfloat16
+    # bf16 matmuls: close to the fp32 logits, not equal to them
+    err = (y.float() - ref).abs().max().item()
+    assert 0 < err < 0.05 * ref.abs().max().item()
+    y.float().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
 
 
-def test_gqa_equals_mha_with_repeated_kv_heads():
-    torch.manual_seed(0)
-    gqa = Llama(LlamaConfig.from_size("tiny", vocab_size=50, max_seq_len=16))
-    mha = Llama(LlamaConfig.from_size("tiny", vocab_size=50, max_seq_len=16, n_kv_heads=4))
-    sd = gqa.state_dict()
-    rep = {}
-    hd = gqa.config.head_dim
-    for k, v in sd.items():
+def test_rmsnorm_float32_math_and_dtype():
+    norm = RMSNorm(8, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.arange(1.0, 9.0))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0)) * 3
+    want = x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * torch.arange(1.0, 9.0).double()
+    assert torch.allclose(norm(x).double(), want, atol=1e-5)
+    xb = x.bfloat16()
+    yb = norm(xb)
+    assert yb.dtype == torch.bfloat16
+    want_b = (xb.float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight).bfloat16()
+    assert torch.equal(yb, want_b)  # computed in float32, rounded once at the end
+
+
+def test_swiglu_feed_forward_by_hand():
+    ff = tiny().layers[0].feed_forward
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    w1, w2, w3 = ff.w1.weight, ff.w2.weight, ff.w3.weight
+    assert w1.shape == w3.shape == (192, 64) and w2.shape == (64, 192)
+    want = (nn.functional.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
+    assert torch.allclose(ff(x), want, atol=1e-6)
+
+
+def test_causality():
+    m = tiny()
+    x = tokens(2, 20)
+    y = m(x)
+    for t in (0, 9, 19):
+        x2 = x.clone()
+        x2[:, t] = (x2[:, t] + 1) % VOCAB
+        y2 = m(x2)
+        assert torch.equal(y[:, :t], y2[:, :t]), f"logits before {t} changed"
+        assert not torch.allclose(y[:, t], y2[:, t]), f"logits at {t} did not change"
+    # a prefix gives the same logits as the full sequence at those positions
+    assert torch.allclose(m(x[:, :7]), y[:, :7], atol=1e-5)
+
+
+# ---------------------------------------------------------------- RoPE
+
+
+def test_rope_scores_depend_only_on_the_offset():
+    d, theta = 16, 10000.0
+    cos, sin = rope_tables(d, 512, theta)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(d, generator=g), torch.randn(d, generator=g)
+
+    def rot(v, pos):  # v [d] at position pos -> [d]
+        return apply_rope(v.view(1, 1, 1, d), cos[pos : pos + 1], sin[pos : pos + 1]).view(d)
+
+    def direct(m, n):  # <R_m q, R_n k> = sum_i cos(a_i)(qa ka + qb kb) + sin(a_i)(qb ka - qa kb), a_i = (n-m) theta_i
+        qd, kd = q.double().view(-1, 2), k.double().view(-1, 2)
+        ang = (n - m) * theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+        qa, qb, ka, kb = qd[:, 0], qd[:, 1], kd[:, 0], kd[:, 1]
+        return (ang.cos() * (qa * ka + qb * kb) + ang.sin() * (qb * ka - qa * kb)).sum().item()
+
+    for m_pos, n_pos in [(0, 0), (5, 2), (2, 5), (100, 97), (300, 511), (511, 0)]:
+        got = (rot(q, m_pos) * rot(k, n_pos)).sum().item()
+        assert got == pytest.approx(direct(m_pos, n_pos), abs=1e-4)
+    # same offset, different absolute positions: same score; different offset: different score
+    same = [(rot(q, p + 3) * rot(k, p)).sum().item() for p in (0, 7, 200, 400)]
+    assert max(same) - min(same) < 1e-4
+    assert abs((rot(q, 10) * rot(k, 0)).sum().item() - same[0]) > 1e-3
+
+
+def test_rope_preserves_norms_and_position_zero_is_identity():
+    d = 32
+    cos, sin = rope_tables(d, 64, 10000.0)
+    x = torch.randn(2, 3, 64, d, generator=torch.Generator().manual_seed(0))
+    y = apply_rope(x, cos, sin)
+    assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-5)
+    assert torch.allclose(y[:, :, 0], x[:, :, 0])
+    assert not torch.allclose(y[:, :, 1:], x[:, :, 1:])
+    # the same rotation as multiplying complex pairs by e^{i p theta_i} (Meta's reference form)
+    xc = torch.view_as_complex(x.double().unflatten(-1, (-1, 2)).contiguous())
+    ang = torch.outer(torch.arange(64, dtype=torch.float64), 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d))
+    want = torch.view_as_real(xc * torch.polar(torch.ones_like(ang), ang)).flatten(-2)
+    assert torch.allclose(y.double(), want, atol=1e-5)
+    # bf16 in, bf16 out
+    assert apply_rope(x.bfloat16(), cos, sin).dtype == torch.bfloat16
+
+
+def test_model_rope_tables_follow_the_config_and_are_not_saved():
+    m = tiny()
+    m2 = tiny(rope_theta=500000.0)
+    d = m.config.head_dim
+    assert m.rope_cos.shape == (32, d // 2)
+    assert torch.equal(m.rope_cos, rope_tables(d, 32, 10000.0)[0])
+    assert torch.equal(m2.rope_sin, rope_tables(d, 32, 500000.0)[1])
+    assert not torch.equal(m.rope_sin, m2.rope_sin)
+    assert not any("rope" in k for k in m.state_dict())
+    # same weights, different theta: different logits
+    m2.load_state_dict(m.state_dict())
+    x = tokens(1, 16)
+    assert not torch.allclose(m(x), m2(x))
+
+
+# ---------------------------------------------------------------- grouped-query attention
+
+
+def _mha_by_hand(attn, x):
+    """Multi-head attention written out: the GQA module's wk/wv with each kv head's rows repeated
+    for the query heads it serves, RoPE as complex rotation, explicit causal softmax."""
+    b, t, dim = x.shape
+    h, g, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    wk = attn.wk.weight.view(g, d, dim).repeat_interleave(h // g, dim=0).reshape(h * d, dim)
+    wv = attn.wv.weight.view(g, d, dim).repeat_interleave(h // g, dim=0).reshape(h * d, dim)
+    q = (x @ attn.wq.weight.T).view(b, t, h, d).transpose(1, 2).double()
+    k = (x @ wk.T).view(b, t, h, d).transpose(1, 2).double()
+    v = (x @ wv.T).view(b, t, h, d).transpose(1, 2).double()
+    ang = torch.outer(torch.arange(t, dtype=torch.float64), 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rot = torch.polar(torch.ones_like(ang), ang)
+
+    def rope(z):
+        return torch.view_as_real(torch.view_as_complex(z.unflatten(-1, (-1, 2)).contiguous()) * rot).flatten(-2)
+
+    q, k = rope(q), rope(k)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    a = scores.softmax(-1) @ v
+    return a.transpose(1, 2).reshape(b, t, h * d).float() @ attn.wo.weight.T
+
+
+def test_gqa_attention_equals_mha_written_by_hand():
+    m = tiny()
+    attn = m.layers[0].attention
+    assert attn.wk.weight.shape == (2 * 16, 64) and attn.wq.weight.shape == (4 * 16, 64)
+    x = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(3))
+    cos, sin = m.rope_cos[:12], m.rope_sin[:12]
+    assert torch.allclose(attn(x, cos, sin), _mha_by_hand(attn, x), atol=1e-5)
+
+
+def test_gqa_model_equals_mha_model_with_repeated_kv_weights():
+    gqa = tiny()
+    mha = tiny(n_kv_heads=4)
+    hd, rep = gqa.config.head_dim, 2
+    sd = {}
+    for k, v in gqa.state_dict().items():
         if k.endswith(("attention.wk.weight", "attention.wv.weight")):
-            v = v.view(2, hd, -1).repeat_interleave(2, dim=0).reshape(4 * hd, -1)
-        rep[k] = v
-    mha.load_state_dict(rep)
-    x = torch.randint(0, 50, (2, 12))
+            v = v.view(2, hd, -1).repeat_interleave(rep, dim=0).reshape(4 * hd, -1)
+        sd[k] = v
+    mha.load_state_dict(sd)
+    x = tokens(2, 12)
     assert torch.allclose(gqa(x), mha(x), atol=1e-5)
+    # repeating kv heads the other way (tile instead of interleave) is NOT equivalent
+    bad = dict(sd)
+    for k, v in gqa.state_dict().items():
+        if k.endswith("attention.wk.weight"):
+            bad[k] = v.view(2, hd, -1).repeat(rep, 1, 1).reshape(4 * hd, -1)
+    mha.load_state_dict(bad)
+    assert not torch.allclose(gqa(x), mha(x), atol=1e-4)
+    assert torch.equal(repeat_kv(torch.arange(2.0).view(1, 2, 1, 1), 3).flatten(), torch.tensor([0.0, 0, 0, 1, 1, 1]))
 
 
-def test_tied_and_untied_and_param_count():
+# ---------------------------------------------------------------- embeddings, sizes, init
+
+
+def test_tied_and_untied_embeddings():
     m = tiny()
     assert m.output.weight is m.tok_embeddings.weight
-    assert sum(p.numel() for p in m.parameters()) == m.config.num_params()
+    assert "output.weight" in m.state_dict()  # saved under both names, loads back tied
+    (m(tokens(1, 8)).sum()).backward()
+    assert m.tok_embeddings.weight.grad is not None
     u = tiny(tie_embeddings=False)
     assert u.output.weight is not u.tok_embeddings.weight
-    assert sum(p.numel() for p in u.parameters()) == u.config.num_params()
-    # tiny by hand: emb 97*64; block: wq,wo 64*64 each, wk,wv 64*32 each, 3*64*192, 2 norms; final norm
-    assert m.config.num_params() == 97 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 192 + 2 * 64) + 64
+    assert not torch.equal(u.output.weight, u.tok_embeddings.weight)
+    assert u.num_params() - m.num_params() == VOCAB * 64
+    # tied output moves with the embedding
+    with torch.no_grad():
+        m.tok_embeddings.weight.zero_()
+    assert torch.equal(m(tokens(1, 4)), torch.zeros(1, 4, VOCAB))
 
 
-@pytest.mark.parametrize("name,vocab,lo,hi", [("125m", 32000, 100e6, 200e6), ("1b", 128256, 1.0e9, 1.6e9)])
+def test_param_count_tiny_by_hand():
+    cfg = tiny_config()
+    m = Llama(cfg)
+    held = sum(p.numel() for p in m.parameters())
+    # by hand: embedding 97*64; per block wq 64*64, wk 64*32, wv 64*32, wo 64*64, w1/w3/w2 64*192
+    # each, two norms 64 each; final norm 64; the tied head adds nothing
+    block = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 3 * 64 * 192 + 2 * 64
+    assert block == 49280
+    assert held == num_params(cfg) == cfg.num_params() == m.num_params() == 97 * 64 + 2 * block + 64 == 104832
+    untied = tiny_config(tie_embeddings=False)
+    assert sum(p.numel() for p in Llama(untied).parameters()) == num_params(untied) == 104832 + 97 * 64
+
+
+@pytest.mark.parametrize(
+    "name,vocab,lo,hi",
+    [
+        ("tiny", 32000, 1.5e6, 3e6),
+        ("small", 32000, 8e6, 16e6),
+        ("20m", 32000, 15e6, 30e6),
+        ("125m", 32000, 100e6, 200e6),
+        ("350m", 32000, 250e6, 450e6),
+        ("1b", 128256, 1.0e9, 1.6e9),
+    ],
+)
 def test_named_sizes_on_meta(name, vocab, lo, hi):
+    cfg = LlamaConfig.from_size(name, vocab_size=vocab, max_seq_len=4096)
     with torch.device("meta"):
-        m = Llama(LlamaConfig.from_size(name, vocab_size=vocab, max_seq_len=4096))
+        m = Llama(cfg)
+    assert all(p.is_meta for p in m.parameters()) and all(b.is_meta for b in m.buffers())
     n = sum(p.numel() for p in m.parameters())
-    assert lo < n < hi and n == m.config.num_params()
-    assert set(SIZES) >= {"tiny", "small", "20m", "125m", "350m", "1b"}
+    assert lo < n < hi and n == num_params(cfg)
+    assert len(m.layers) == SIZES[name]["n_layers"] and m.config.dim == SIZES[name]["dim"]
+    if name == "1b":
+        assert n == 1_235_814_400  # Llama-3.2-1B's published count
+    # the meta model takes meta tokens and gives the right shape
+    assert m(torch.zeros(2, 16, dtype=torch.long, device="meta")).shape == (2, 16, vocab)
+
+
+def test_meta_model_materialises_with_reset_parameters():
+    with torch.device("meta"):
+        m = Llama(tiny_config())
+    assert m.output.weight is m.tok_embeddings.weight
+    m.to_empty(device="cpu")  # unties shared parameters and leaves garbage in the buffers
+    m.reset_parameters()
+    ref = tiny(seed=0)
+    assert m.output.weight is m.tok_embeddings.weight
+    assert torch.equal(m.rope_cos, ref.rope_cos) and torch.equal(m.rope_sin, ref.rope_sin)
+    assert all(torch.equal(layer.ffn_norm.weight, torch.ones(64)) for layer in m.layers)
+    assert 0.018 < m.layers[0].feed_forward.w1.weight.std().item() < 0.022
+    # the RoPE buffers are not in the state_dict: equal logits mean they were rebuilt correctly
+    m.load_state_dict(ref.state_dict())
+    x = tokens(1, 8)
+    assert torch.equal(m(x), ref(x))
+
+
+def test_init_statistics():
+    torch.manual_seed(0)
+    m = Llama(LlamaConfig.from_size("small", vocab_size=512, max_seq_len=16))
+    std, resid = 0.02, 0.02 / math.sqrt(2 * 4)
+    for name, p in m.named_parameters():
+        if p.dim() == 1:
+            assert torch.equal(p, torch.ones_like(p)), name
+        else:
+            want = resid if name.endswith(("wo.weight", "w2.weight")) else std
+            assert abs(p.std().item() / want - 1) < 0.05, name
+            assert abs(p.mean().item()) < 0.05 * want, name
+
+
+# ---------------------------------------------------------------- AdaHOP conversion and training
 
 
 @pytest.mark.parametrize("recipe", list(adahop.RECIPES))
-def test_conversion_converts_block_linears_only(recipe):
+def test_conversion_converts_exactly_the_block_linears(recipe):
     m = tiny()
     adahop.convert_to_adahop_training(m, config=adahop.AdaHOPConfig.from_recipe_name(recipe))
     layers = adahop.adahop_layers(m)
-    assert len(layers) == 7 * m.config.n_layers
-    assert type(m.output) is torch.nn.Linear
-    assert m(torch.randint(0, 97, (1, 8))).shape == (1, 8, 97)
+    want = {
+        f"layers.{i}.{sub}.{lin}"
+        for i in range(m.config.n_layers)
+        for sub, lins in (("attention", ("wq", "wk", "wv", "wo")), ("feed_forward", ("w1", "w2", "w3")))
+        for lin in lins
+    }
+    assert set(layers) == want and len(layers) == 7 * m.config.n_layers
+    assert all(isinstance(lay, adahop.AdaHOPLinear) for lay in layers.values())
+    assert type(m.output) is nn.Linear and m.output.weight is m.tok_embeddings.weight
+    assert type(m.tok_embeddings) is nn.Embedding
+    y = m(tokens(2, 8))
+    assert y.shape == (2, 8, VOCAB) and torch.isfinite(y).all()
+    y.float().pow(2).mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
 
 
-def test_bad_input_and_config():
+@pytest.mark.parametrize("recipe", ["mxfp4_iht", "adahop_lv1"])
+def test_converted_model_under_cpu_autocast(recipe):
     m = tiny()
-    with pytest.raises(ValueError, match="max_seq_len"):
+    ref = m(tokens(2, 16))
+    cfg = adahop.AdaHOPConfig.from_recipe_name(recipe, calibration_steps=1).with_gemm_settings(oe_k=4)
+    adahop.convert_to_adahop_training(m, config=cfg)
+    for _ in range(2):  # adahop_lv1: one calibration step, then its MXFP4 modes
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(tokens(2, 16))
+        assert y.dtype == torch.bfloat16
+        y.float().pow(2).mean().backward()
+    assert adahop.is_calibrated(m)
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters())
+    # quantized, so not equal to the fp32 logits, but close
+    err = (y.float() - ref).abs().max().item()
+    assert 0 < err < 0.25 * ref.abs().max().item()
+
+
+def test_conversion_leaves_an_untied_head_alone():
+    m = tiny(tie_embeddings=False)
+    adahop.convert_to_adahop_training(m, config=adahop.AdaHOPConfig.from_recipe_name("mxfp4"))
+    assert len(adahop.adahop_layers(m)) == 14 and type(m.output) is nn.Linear
+
+
+def _train(model, steps, lr=1e-2):
+    x = tokens(4, 32, seed=7)
+    inputs, targets = x[:, :-1], x[:, 1:]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for _ in range(steps):
+        loss = nn.functional.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "adahop_lv2"])
+def test_training_reduces_the_loss(recipe):
+    m = tiny()
+    cfg = adahop.AdaHOPConfig.from_recipe_name(recipe, calibration_steps=2).with_gemm_settings(oe_k=4)
+    adahop.convert_to_adahop_training(m, config=cfg)
+    losses = _train(m, steps=12)
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[0] == pytest.approx(math.log(VOCAB), abs=0.3)  # near-uniform at init
+    assert losses[-1] < losses[0] - 1.0, losses
+    if recipe == "adahop_lv2":
+        assert adahop.is_calibrated(m)  # the last 10 steps ran with frozen (MXFP4) modes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_autocast_and_conversion():
+    m = tiny().cuda()
+    x = tokens(2, 16).cuda()
+    ref = m(x)
+    adahop.convert_to_adahop_training(m, config=adahop.AdaHOPConfig.from_recipe_name("mxfp4_iht"))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = m(x)
+    assert y.dtype == torch.bfloat16 and y.device.type == "cuda"
+    assert (y.float() - ref).abs().max().item() < 0.2 * ref.abs().max().item()
+    y.float().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_tokens():
+    m = tiny()
+    with pytest.raises(ValueError, match="max_seq_len=32"):
         m(torch.zeros(1, 33, dtype=torch.long))
-    with pytest.raises(ValueError, match="int64"):
+    with pytest.raises(ValueError, match="int64 or int32"):
         m(torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="int64 or int32"):
+        m(torch.zeros(1, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"\[0, 97\)"):
         m(torch.full((1, 4), 97))
-    with pytest.raises(ValueError, match="n_kv_heads"):
-        LlamaConfig(vocab_size=10, dim=64, n_layers=1, n_heads=4, n_kv_heads=3, ffn_dim=8, max_seq_len=8)
-    with pytest.raises(ValueError, match="known"):
+    with pytest.raises(ValueError, match=r"\[0, 97\)"):
+        m(torch.tensor([[3, -1, 5]]))
+    with pytest.raises(ValueError, match="shape"):
+        m(torch.zeros(8, dtype=torch.long))
+    with pytest.raises(ValueError, match="shape"):
+        m(torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match="Tensor"):
+        m([[1, 2, 3]])
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(n_heads=5), "multiple of n_heads"),
+        (dict(n_kv_heads=3), "multiple of n_kv_heads"),
+        (dict(dim=96, n_heads=32, n_kv_heads=8), "even for RoPE"),
+        (dict(n_layers=0), "n_layers must be a positive int"),
+        (dict(vocab_size=-3), "vocab_size must be a positive int"),
+        (dict(dim=64.0), "dim must be a positive int"),
+        (dict(max_seq_len=True), "max_seq_len must be a positive int"),
+        (dict(rope_theta=0.0), "rope_theta must be a finite number > 0"),
+        (dict(norm_eps=float("nan")), "norm_eps"),
+        (dict(tie_embeddings=1), "tie_embeddings must be a bool"),
+    ],
+)
+def test_bad_config(change, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(tiny_config(), **change)
+
+
+def test_bad_size_and_frozen_config():
+    with pytest.raises(ValueError, match=r"known sizes: \('tiny', 'small', '20m', '125m', '350m', '1b'\)"):
         LlamaConfig.from_size("7b", vocab_size=10, max_seq_len=8)
+    with pytest.raises(ValueError, match="unknown LlamaConfig field"):
+        LlamaConfig.from_size("tiny", vocab_size=10, max_seq_len=8, n_head=4)
+    with pytest.raises(ValueError, match="LlamaConfig"):
+        Llama(SIZES["tiny"])
+    cfg = tiny_config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.dim = 128
+    # overrides apply on top of the named size
+    assert LlamaConfig.from_size("1b", vocab_size=10, max_seq_len=8, n_layers=2).n_layers == 2
