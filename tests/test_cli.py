@@ -1,0 +1,61 @@
+"""The command line end to end on a small offline corpus: train, resume, eval, compare, errors."""
+
+import json
+
+import pytest
+
+from adahop import cli
+from adahop.train import data as D
+from adahop.train import sources as S
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    out = tmp_path_factory.mktemp("corpus")
+    src = S.cpython_stdlib_source(modules=("json", "textwrap", "string", "argparse"), name="stdlib-mini")
+    D.build_corpus(out, sources=[src], tokenizer="byte", progress=False)
+    return out
+
+
+def train_args(corpus, out, recipe="adahop_lv2", steps=6):
+    return ["train", "--preset", "debug", "--recipe", recipe, "--corpus", str(corpus), "--out", str(out),
+            "--steps", str(steps), "--seq-len", "32", "--no-progress"]
+
+
+def losses(run):
+    records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def test_train_resume_eval_compare(corpus, tmp_path, capsys):
+    lv2, bf16 = tmp_path / "lv2", tmp_path / "bf16"
+    assert cli.main(train_args(corpus, lv2, steps=4)) == 0
+    first = losses(lv2)
+    assert len(first) == 4
+    assert cli.main(train_args(corpus, lv2, steps=6)) == 0  # resumes at step 4
+    assert losses(lv2)[:4] == first and len(losses(lv2)) == 6
+    assert cli.main(train_args(corpus, bf16, recipe="bf16")) == 0
+
+    assert cli.main(["eval", "--run", str(lv2), "--tasks", "--heldout-batches", "4"]) == 0
+    ev = json.loads((lv2 / "eval.json").read_text())
+    assert ev["heldout"]["sources"]["stdlib-mini"]["bpb"] > 0
+
+    png = tmp_path / "curves.png"
+    assert cli.main(["compare", str(bf16), str(lv2), "--plot", str(png)]) == 0
+    table = capsys.readouterr().out
+    assert "| adahop_lv2 | 6 |" in table and "| bf16 | 6 |" in table
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_errors_before_work(corpus, tmp_path, capsys):
+    assert cli.main(train_args(tmp_path / "no-corpus", tmp_path / "r")) == 2
+    assert "manifest.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--preset", "huge"])
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--recipe", "fp3"])
+    run = tmp_path / "r2"
+    assert cli.main(train_args(corpus, run, steps=2)) == 0
+    assert cli.main(train_args(corpus, run, recipe="mxfp4", steps=3)) == 2  # checkpoint of another recipe
+    assert "adahop_lv2" in capsys.readouterr().err
+    assert cli.main(["eval", "--run", str(tmp_path / "nothing")]) == 2
