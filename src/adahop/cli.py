@@ -184,7 +184,7 @@ def parse_args(argv=None):
     d = sub.add_parser("data", help="build the token corpus", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d.add_argument("--out", default="runs/corpus")
     d.add_argument("--sources", nargs="+", default=["shakespeare"])
-    d.add_argument("--tokenizer", default="bpe-8192", help="'byte' or 'bpe-N'")
+    d.add_argument("--tokenizer", default="bpe-8192", help="'byte', 'bpe-N' (trained here) or 'gpt2'")
     d.add_argument("--cache-dir", default=None)
     d.add_argument("--force", action="store_true")
 
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
                 dirs.append(targs.out)
             print(compare_runs(dirs, root / "loss_curves.png"))
             print(f"loss curves: {root / 'loss_curves.png'}")
-    except ValueError as e:
+    except (ValueError, ImportError, RuntimeError) as e:  # bad input, missing package, failed download
         print(f"adahop {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0

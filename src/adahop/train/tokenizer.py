@@ -3,7 +3,7 @@
 The interface (:class:`Tokenizer`) is small: ``name``, ``vocab_size``, ``eos_id``,
 ``encode(str) -> list[int]``, ``decode(list[int]) -> str`` (special tokens are dropped),
 ``encode_batch`` for bulk work, and ``save(dir)``; :func:`load_tokenizer` reads a saved one back.
-Two implementations:
+Three implementations:
 
 - :class:`ByteTokenizer` (``"byte"``): the UTF-8 bytes of the text (ids 0-255) plus an end-of-text
   token (id 256): vocabulary 257, no dependency, lossless.
