@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 
 from torch import nn
 
+from adahop.atomic_io import atomic_write_bytes
 from adahop.convert import adahop_layers
 from adahop.policy import GEMMS
 
@@ -30,16 +30,7 @@ def modes_dict(model: nn.Module) -> dict[str, dict]:
 
 
 def save_modes(model: nn.Module, path: str | os.PathLike) -> None:
-    text = json.dumps(modes_dict(model), indent=2, sort_keys=True)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".modes-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic_write_bytes(path, (json.dumps(modes_dict(model), indent=2, sort_keys=True) + "\n").encode())
 
 
 def load_modes_dict(model: nn.Module, modes: dict) -> None:

@@ -17,29 +17,15 @@ from __future__ import annotations
 import os
 import random
 import re
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from adahop.atomic_io import atomic_write, atomic_write_bytes
+
 CHECKPOINT_RE = re.compile(r"^step_(\d{9})\.pt$")
 LATEST = "latest"
-
-
-def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def rng_state() -> dict:
@@ -68,8 +54,8 @@ def save_checkpoint(folder: str | os.PathLike, step: int, state: dict, *, keep: 
     but the ``keep`` newest checkpoints."""
     folder = Path(folder)
     path = folder / f"step_{step:09d}.pt"
-    _atomic_write(path, lambda f: torch.save(state, f))
-    _atomic_write(folder / LATEST, lambda f: f.write(path.name.encode()))
+    atomic_write(path, lambda f: torch.save(state, f))
+    atomic_write_bytes(folder / LATEST, path.name.encode())
     for old in list_checkpoints(folder)[:-keep] if keep > 0 else []:
         old.unlink()
     return path

@@ -51,7 +51,6 @@ import math
 import os
 import platform
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -73,13 +72,13 @@ from adahop.train.sources import (
     sha256_file,
     split_documents,
 )
+from adahop.atomic_io import atomic_write, atomic_write_bytes
 from adahop.train.tokenizer import (
     BPE_FILE,
     CONFIG_FILE,
     TIKTOKEN_FILE,
     Tokenizer,
     check_tokenizer_available,
-    file_mode,
     load_tokenizer,
     parse_tokenizer_spec,
     train_tokenizer,
@@ -137,19 +136,7 @@ class _NoBar:
 
 
 def _atomic_write_json(path: Path, obj) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.chmod(tmp, file_mode())
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode())
 
 
 def shard_dtype(vocab_size: int) -> np.dtype:
@@ -175,35 +162,28 @@ def _doc_chunks(docs: Sequence[Document]):
 def _write_shard(path: Path, tok: Tokenizer, docs: Sequence[Document], dtype: np.dtype, bar) -> dict:
     """Encode ``docs`` (each followed by end-of-text) into ``path``, atomically."""
     h = hashlib.sha256()
-    tokens = text_bytes = 0
+    counts = {"tokens": 0, "text_bytes": 0}
     eos = np.array([tok.eos_id], dtype=np.int64)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.chmod(tmp, file_mode())
-        with os.fdopen(fd, "wb") as f:
-            for chunk in _doc_chunks(docs):
-                arrays = tok.encode_arrays([d.text for d in chunk], dtype=np.int64)
-                parts = []
-                for a in arrays:
-                    parts += [a, eos]
-                ids = np.concatenate(parts)
-                if ids.size and (ids.min() < 0 or ids.max() >= tok.vocab_size):
-                    raise ValueError(f"{tok.name} produced ids outside [0, {tok.vocab_size})")
-                data = ids.astype(dtype).tobytes()
-                f.write(data)
-                h.update(data)
-                tokens += ids.size
-                text_bytes += sum(len(d.text.encode("utf-8")) for d in chunk)
-                bar.update(len(chunk))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return {"file": path.name, "dtype": _dtype_name(dtype), "byte_order": "little", "tokens": int(tokens),
-            "documents": len(docs), "text_bytes": int(text_bytes), "sha256": h.hexdigest()}
+
+    def write(f):
+        for chunk in _doc_chunks(docs):
+            arrays = tok.encode_arrays([d.text for d in chunk], dtype=np.int64)
+            parts = []
+            for a in arrays:
+                parts += [a, eos]
+            ids = np.concatenate(parts)
+            if ids.size and (ids.min() < 0 or ids.max() >= tok.vocab_size):
+                raise ValueError(f"{tok.name} produced ids outside [0, {tok.vocab_size})")
+            data = ids.astype(dtype).tobytes()
+            f.write(data)
+            h.update(data)
+            counts["tokens"] += ids.size
+            counts["text_bytes"] += sum(len(d.text.encode("utf-8")) for d in chunk)
+            bar.update(len(chunk))
+
+    atomic_write(path, write)
+    return {"file": path.name, "dtype": _dtype_name(dtype), "byte_order": "little", "tokens": int(counts["tokens"]),
+            "documents": len(docs), "text_bytes": int(counts["text_bytes"]), "sha256": h.hexdigest()}
 
 
 def _content_sha256(docs: Sequence[Document]) -> str:

@@ -30,12 +30,13 @@ import base64
 import json
 import os
 import re
-import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
+
+from adahop.atomic_io import atomic_write_bytes
 
 CONFIG_FILE = "tokenizer_config.json"
 BPE_FILE = "tokenizer.json"
@@ -45,29 +46,6 @@ R50K_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|
 EOS_TOKEN = "<|endoftext|>"
 DEFAULT_BPE_VOCAB = 8192
 _SPEC = re.compile(r"^(byte|bpe|gpt2)(?:-(\d+))?$")
-
-
-def file_mode() -> int:
-    """The mode a plain ``open()`` would give a new file (mkstemp's own is 0600)."""
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.chmod(tmp, file_mode())
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 class Tokenizer(ABC):
@@ -109,7 +87,7 @@ class Tokenizer(ABC):
     def save(self, directory: str | os.PathLike) -> Path:
         directory = Path(directory)
         self._save_files(directory)
-        _atomic_write_bytes(directory / CONFIG_FILE, json.dumps(self.config(), indent=1).encode())
+        atomic_write_bytes(directory / CONFIG_FILE, json.dumps(self.config(), indent=1).encode())
         return directory
 
     def _save_files(self, directory: Path) -> None:
@@ -217,7 +195,7 @@ class BPETokenizer(Tokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def _save_files(self, directory: Path) -> None:
-        _atomic_write_bytes(directory / BPE_FILE, self._tok.to_str(pretty=False).encode("utf-8"))
+        atomic_write_bytes(directory / BPE_FILE, self._tok.to_str(pretty=False).encode("utf-8"))
 
 
 def _require_tiktoken():
@@ -271,7 +249,7 @@ class TiktokenBPE(Tokenizer):
         return {**super().config(), "pattern": self._pattern, "file": TIKTOKEN_FILE}
 
     def _save_files(self, directory: Path) -> None:
-        _atomic_write_bytes(directory / TIKTOKEN_FILE, self._ranks_text.encode("ascii"))
+        atomic_write_bytes(directory / TIKTOKEN_FILE, self._ranks_text.encode("ascii"))
 
 
 def gpt2_tokenizer(cache_dir: str | os.PathLike | None = None, *, log=None) -> TiktokenBPE:

@@ -1,0 +1,45 @@
+"""Atomic file writes: a reader (or a run killed mid-write) sees the old file or the new one,
+never half of one.
+
+The data is written to a temporary file in the target's folder (same file system), flushed and
+fsynced, then renamed over the target with ``os.replace`` (atomic on POSIX). On any error the
+temporary file is removed and the target is untouched. New files get the mode a plain ``open()``
+would give them (``mkstemp`` alone makes them 0600).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+
+def file_mode() -> int:
+    """The mode a plain ``open()`` would give a new file under the current umask."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
+    """Create or replace ``path`` with what ``write(f)`` writes to a binary file ``f``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.chmod(tmp, file_mode())
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    atomic_write(path, lambda f: f.write(data))
