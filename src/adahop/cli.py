@@ -117,7 +117,8 @@ def run_eval(args) -> dict:
     if args.tasks:
         autocast = torch.bfloat16 if device.type == "cuda" else None
         result["zero_shot"] = evaluate_tasks(model, corpus.tokenizer, args.tasks, limit=args.limit,
-                                             max_seq_len=eval_len, device=device, autocast_dtype=autocast)
+                                             tasks_dir=args.tasks_dir, max_seq_len=eval_len, device=device,
+                                             autocast_dtype=autocast)
     (run / "eval.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return result
@@ -196,6 +197,8 @@ def parse_args(argv=None):
     e.add_argument("--tasks", nargs="*", default=["piqa", "hellaswag", "arc_easy", "lambada"])
     e.add_argument("--limit", type=int, default=None, help="first N items of each task")
     e.add_argument("--heldout-batches", type=int, default=64)
+    e.add_argument("--tasks-dir", default=None,
+                   help="read the task request files from here (train.tasks.export_task_files) instead of the wheel")
     e.add_argument("--device", default=None)
 
     c = sub.add_parser("compare", help="compare runs", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
