@@ -181,3 +181,16 @@ def test_inplace_butterfly_form_equals_reference(h):
     for inplace in (False, True):
         got = quantize_operand_triton(x, 1, hadamard_size=h, fwht_inplace=inplace)["mx"]
         assert_same_mx(got, ref)
+
+
+@pytest.mark.parametrize("dim,h,mode", [(1, 32, "even"), (0, None, "floor"), (1, 64, "rceil")])
+def test_arithmetic_rne_encoder_equals_reference(dim, h, mode):
+    """The arithmetic E2M1 encoder gives the reference codes and e4m3 values (special values too)."""
+    x = make((24, 96), seed=11)
+    x[0, 3] = float("nan")
+    x[1] = 0.0
+    ref = quantize_operand(x, dim, OperandSpec(hadamard_size=h, scale_mode=mode))
+    out = quantize_operand_triton(x, dim, hadamard_size=h, scale_mode=mode, e4m3=True, arith_rne=True)
+    assert_same_mx(out["mx"], ref)
+    plain = quantize_operand_triton(x, dim, hadamard_size=h, scale_mode=mode, e4m3=True, arith_rne=False)
+    assert torch.equal(out["e4m3"].view(torch.uint8), plain["e4m3"].view(torch.uint8))

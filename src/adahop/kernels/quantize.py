@@ -37,6 +37,7 @@ from adahop.kernels.mxfp4_math import (
     block_exponent,
     e2m1_codes_rne,
     e2m1_codes_sr,
+    e2m1_rne_arith,
     e2m1_value,
     fwht,
     fwht_inplace,
@@ -87,6 +88,7 @@ def _emit_chunk(
     codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SR: tl.constexpr,
     WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr, NAN_BY_CAST: tl.constexpr,
+    ARITH_RNE: tl.constexpr,
 ):
     """Round one transformed chunk and write its scale bytes, packed codes and/or e4m3 form."""
     NB: tl.constexpr = BLOCK_K // 32
@@ -108,6 +110,8 @@ def _emit_chunk(
         r = lowbias32(ctr ^ sr_key.to(tl.uint32))
         u = (r >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
         c = e2m1_codes_sr(a, tl.reshape(u, (BLOCK_R, NB, 32)))
+    elif ARITH_RNE:
+        c, mag = e2m1_rne_arith(a)
     else:
         c = e2m1_codes_rne(a)
     sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
@@ -120,7 +124,10 @@ def _emit_chunk(
         tl.store(codes_ptr + rows[:, None].to(tl.int64) * (KP // 2) + pcols[None, :], packed, mask=pmask)
     if WRITE_E4M3:
         shift = tl.maximum(e - e_rowmax[:, None] + 6, -126)  # below that it is 0 in e4m3 anyway
-        val = e2m1_value(c) * pow2(shift)[:, :, None]
+        if ARITH_RNE and not SR:
+            val = mag * pow2(shift)[:, :, None]
+        else:
+            val = e2m1_value(c) * pow2(shift)[:, :, None]
         val = tl.where(sign == 1, -val, val)
         cols = k0 + tl.arange(0, BLOCK_K)
         eoffs = rows[:, None].to(tl.int64) * KP + cols[None, :]
@@ -148,7 +155,7 @@ def _mxfp4_quantize_kernel(
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
     SCALE_MODE: tl.constexpr, SR: tl.constexpr, SINGLE_CHUNK: tl.constexpr,
     WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr, WRITE_SUMSQ: tl.constexpr,
-    NAN_BY_CAST: tl.constexpr, FWHT_INPLACE: tl.constexpr,
+    NAN_BY_CAST: tl.constexpr, FWHT_INPLACE: tl.constexpr, ARITH_RNE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -162,7 +169,7 @@ def _mxfp4_quantize_kernel(
             tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok)
         if WRITE_SUMSQ:
             tl.store(sumsq_ptr + rows, tl.sum(x * x, axis=1), mask=row_ok)
-        _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, 0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST)
+        _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, 0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_RNE)
     else:
         # Pass 1 (only for the e4m3 form): each row's largest block exponent.
         e_rowmax = tl.full((BLOCK_R,), -127, tl.int32)
@@ -178,7 +185,7 @@ def _mxfp4_quantize_kernel(
             if WRITE_SUMSQ:
                 sumsq += tl.sum(x * x, axis=1)
             e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
-            _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, k0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST)
+            _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, k0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_RNE)
         if WRITE_SUMSQ:
             tl.store(sumsq_ptr + rows, sumsq, mask=row_ok)
 
@@ -188,7 +195,8 @@ def _mxfp4_quantize_kernel(
 # read instead of two for the e4m3 form) and the butterfly form. Measured on the H200
 # (benchmarks/results/hopper_h200.md, run 11): 16 x 256 with 4 warps and the in-place butterfly
 # was the fastest for 4 of the 5 variants; single-chunk rows spill registers on long rows
-# (g [16384, 14336]: run 7), so they are off by default.
+# (g [16384, 14336]: run 7), so they are off by default. ``arith_rne`` (the arithmetic E2M1
+# encoder) is not measured on a GPU yet.
 DEFAULT_LAUNCH = dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=0, fwht_inplace=True)
 LAUNCH_CONFIGS: dict[tuple[int, bool], dict] = {}
 
@@ -220,6 +228,7 @@ def quantize_operand_triton(
     num_warps: int | None = None,
     single_chunk_max: int | None = None,
     fwht_inplace: bool | None = None,
+    arith_rne: bool | None = None,
 ):
     """Quantize 2-D ``x`` along ``dim`` with the fused kernel. Returns a dict with, as asked,
     ``"mx"`` (MXFP4Tensor), ``"e4m3"`` ([R, KP] float8_e4m3fn), ``"row_scale"`` ([R] float32)
@@ -237,6 +246,7 @@ def quantize_operand_triton(
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
     single_chunk_max = cfg["single_chunk_max"] if single_chunk_max is None else single_chunk_max
     fwht_inplace = cfg["fwht_inplace"] if fwht_inplace is None else fwht_inplace
+    arith_rne = cfg.get("arith_rne", False) if arith_rne is None else arith_rne
     view = x if dim == 1 else x.t()  # logical [R, K]: K = contraction dim
     R, K = view.shape
     align = max(32, hadamard_size or 1)
@@ -269,7 +279,7 @@ def quantize_operand_triton(
         SCALE_MODE=SCALE_MODE_IDS[scale_mode], SR=rounding == "sr", SINGLE_CHUNK=single,
         WRITE_PACKED=packed, WRITE_E4M3=e4m3, WRITE_SUMSQ=sumsq,
         NAN_BY_CAST=os.environ.get("TRITON_INTERPRET") != "1",
-        FWHT_INPLACE=fwht_inplace,
+        FWHT_INPLACE=fwht_inplace, ARITH_RNE=arith_rne,
         num_warps=num_warps,
     )
     out = {}
