@@ -12,13 +12,19 @@ carry both, then run, e.g.
         --preset h200 --steps 1000 --recipes bf16 adahop_lv2
 
 Each recipe is one ``adahop train`` + ``adahop eval`` (so a run interrupted by the 10-minute
-command limit resumes from its checkpoint when the same command runs again).
+command limit resumes from its checkpoint when the same command runs again). ``--gpus N`` runs
+the recipes as N processes, one per GPU (``CUDA_VISIBLE_DEVICES``), each taking every N-th
+recipe in turn, then writes the report over all of them: each run still has a GPU to itself, so
+its tokens/s is not shared with another run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -36,10 +42,17 @@ def main(argv=None) -> int:
     p.add_argument("--tasks", nargs="*", default=["piqa", "hellaswag", "arc_easy", "lambada"])
     p.add_argument("--tasks-dir", default=None)
     p.add_argument("--limit", type=int, default=None, help="first N items of each task")
+    p.add_argument("--eval-batch-size", type=int, default=128)
+    p.add_argument("--gpus", type=int, default=1, help="run the recipes in this many processes, one GPU each")
+    p.add_argument("--no-report", action="store_true", help="(worker processes) train and evaluate only")
+    p.add_argument("--report-only", action="store_true", help="only write the report of the finished runs")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    dirs, evals = [], {}
+    if args.report_only:
+        return write_report(args, out)
+    if args.gpus > 1:
+        return run_parallel(args)
     for recipe in args.recipes:
         run = out / recipe
         t0 = time.perf_counter()
@@ -54,11 +67,56 @@ def main(argv=None) -> int:
             eval_argv += ["--tasks-dir", args.tasks_dir]
         if args.limit:
             eval_argv += ["--limit", str(args.limit)]
+        eval_argv += ["--batch-size", str(args.eval_batch_size)]
+        t1 = time.perf_counter()
         if cli.main(eval_argv) != 0:
             return 2
-        evals[recipe] = json.loads((run / "eval.json").read_text())
-        print(f"[{recipe}] {time.perf_counter() - t0:.0f} s", flush=True)
-        dirs.append(run)
+        t2 = time.perf_counter()
+        (run / "wall_times.json").write_text(json.dumps({"train_s": t1 - t0, "eval_s": t2 - t1}))
+        print(f"[{recipe}] train {t1 - t0:.0f} s, eval {t2 - t1:.0f} s", flush=True)
+    return 0 if args.no_report else write_report(args, out)
+
+
+def run_parallel(args) -> int:
+    """One worker process per GPU, each running every ``gpus``-th recipe; then the report."""
+    base = ["--corpus", args.corpus, "--out", args.out, "--preset", args.preset,
+            "--eval-batch-size", str(args.eval_batch_size), "--tasks", *args.tasks]
+    for flag, value in (("--steps", args.steps), ("--tasks-dir", args.tasks_dir), ("--limit", args.limit)):
+        if value is not None:
+            base += [flag, str(value)]
+    procs = []
+    for i in range(args.gpus):
+        mine = args.recipes[i::args.gpus]
+        if not mine:
+            continue
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i))
+        log = open(Path(args.out) / f"worker{i}.log", "w")
+        cmd = [sys.executable, __file__, *base, "--recipes", *mine, "--no-report"]
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    codes = [p.wait() for p, _ in procs]
+    for _, log in procs:
+        log.close()
+    report = write_report(args, Path(args.out))
+    return report if all(c == 0 for c in codes) else 2
+
+
+def write_report(args, out: Path) -> int:
+    """comparison.md and loss_curves.png over the recipes whose run has an eval.json."""
+    dirs, evals = [], {}
+    for recipe in args.recipes:
+        ev = out / recipe / "eval.json"
+        if ev.exists():
+            dirs.append(out / recipe)
+            evals[recipe] = json.loads(ev.read_text())
+    if not dirs:
+        print("no finished run to report", file=sys.stderr)
+        return 2
+    same = ("model_size", "steps", "batch_size", "grad_accum", "seq_len", "seed", "lr")
+    configs = {d.name: json.loads((d / "config.json").read_text()) for d in dirs}
+    keys = {name: (tuple(c[k] for k in same), c["extra"].get("corpus_id")) for name, c in configs.items()}
+    if len(set(keys.values())) > 1:
+        print(f"the runs differ in {same} or corpus, not comparable: {keys}", file=sys.stderr)
+        return 2
     table = cli.compare_runs(dirs, out / "loss_curves.png")
     zs = ["| recipe | " + " | ".join(args.tasks) + " | average |", "|---|" + "---|" * (len(args.tasks) + 1)]
     for recipe, ev in evals.items():

@@ -59,3 +59,12 @@ def test_errors_before_work(corpus, tmp_path, capsys):
     assert cli.main(train_args(corpus, run, recipe="mxfp4", steps=3)) == 2  # checkpoint of another recipe
     assert "adahop_lv2" in capsys.readouterr().err
     assert cli.main(["eval", "--run", str(tmp_path / "nothing")]) == 2
+
+
+def test_steady_tokens_per_s_skips_calibration_warmup_and_eval_steps():
+    records = [{"step": i + 1, "tok_per_s": 10.0} for i in range(5)]  # calibration (slow, compiling)
+    records += [{"step": i + 6, "tok_per_s": 100.0 + i} for i in range(15)]
+    records[12]["eval"] = {"loss": 1.0}
+    records[12]["tok_per_s"] = 1.0  # a step that also evaluated
+    assert cli.steady_tokens_per_s(records, calibration_steps=5) == 108.0
+    assert cli.steady_tokens_per_s([], 0) is None

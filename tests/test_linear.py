@@ -779,3 +779,24 @@ def test_custom_policy_returning_invalid_modes_is_refused():
     x, g = planted()
     with pytest.raises(ValueError, match="wgrad"):
         layer(x.clone().requires_grad_(True)).backward(g)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp4", "adahop_lv2"])
+def test_no_grad_forward_saves_nothing_for_wgrad(recipe, monkeypatch):
+    """Under no_grad (evaluation) the forward gives the same output and skips the wgrad
+    quantization of x (nothing will use it)."""
+    from adahop.ops.backends import ReferenceBackend
+
+    x, w, _ = gaussian_data(64, 64, 32)
+    modes = {"fprop": "iht", "dgrad": "iht+oe_left", "wgrad": "iht+oe_right"} if recipe == "adahop_lv2" else None
+    config = AdaHOPConfig.from_recipe_name(recipe, backend="reference").with_gemm_settings(oe_k=8)
+    layer = make_layer(config, w, modes=modes)
+    calls = []
+    original = ReferenceBackend.quantize_packed
+    monkeypatch.setattr(ReferenceBackend, "quantize_packed", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    y_grad = layer(x.clone().requires_grad_(True))
+    assert len(calls) == 1  # x along T for wgrad
+    with torch.no_grad():
+        y_eval = layer(x)
+    assert len(calls) == 1
+    assert torch.equal(y_grad.detach(), y_eval)

@@ -118,10 +118,20 @@ def run_eval(args) -> dict:
         autocast = torch.bfloat16 if device.type == "cuda" else None
         result["zero_shot"] = evaluate_tasks(model, corpus.tokenizer, args.tasks, limit=args.limit,
                                              tasks_dir=args.tasks_dir, max_seq_len=eval_len, device=device,
-                                             autocast_dtype=autocast)
+                                             autocast_dtype=autocast, batch_size=args.batch_size)
     (run / "eval.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return result
+
+
+def steady_tokens_per_s(records: list[dict], calibration_steps: int = 0) -> float | None:
+    """Median tokens/s of the logged steps after calibration and the first 10% of the run
+    (compilation, warm-up), leaving out steps that also ran an evaluation."""
+    if not records:
+        return None
+    skip = max(calibration_steps, len(records) // 10)
+    rates = sorted(r["tok_per_s"] for r in records[skip:] if "tok_per_s" in r and "eval" not in r)
+    return rates[len(rates) // 2] if rates else None
 
 
 def compare_runs(run_dirs, plot_path=None) -> str:
@@ -137,13 +147,18 @@ def compare_runs(run_dirs, plot_path=None) -> str:
         final = next((r["final_eval"] for r in reversed(log) if "final_eval" in r), None)
         summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
         heldout = final["loss"] if final else math.nan
-        rows.append((cfg["recipe"], len(curves[cfg["recipe"]]), heldout, summary.get("tokens_per_s"), summary.get("peak_memory_bytes")))
+        rows.append((cfg["recipe"], len(curves[cfg["recipe"]]), heldout, summary.get("tokens_per_s"),
+                     steady_tokens_per_s(curves[cfg["recipe"]], cfg.get("calibration_steps", 0)),
+                     summary.get("peak_memory_bytes")))
     base = next((r[2] for r in rows if r[0] == "bf16"), None)
-    lines = ["| recipe | steps | held-out loss | gap to bf16 | tokens/s | peak GPU memory |", "|---|---|---|---|---|---|"]
-    for recipe, steps, loss, tps, mem in rows:
+    base_tps = next((r[4] for r in rows if r[0] == "bf16"), None)
+    lines = ["| recipe | steps | held-out loss | gap to bf16 | tokens/s (whole run) | tokens/s (steady) | vs bf16 | peak GPU memory |",
+             "|---|---|---|---|---|---|---|---|"]
+    for recipe, steps, loss, tps, steady, mem in rows:
         gap = f"{loss - base:+.4f}" if base is not None and math.isfinite(loss) else "-"
         mem_s = f"{mem / 2**30:.2f} GiB" if mem else "-"
-        lines.append(f"| {recipe} | {steps} | {loss:.4f} | {gap} | {tps or 0:.0f} | {mem_s} |")
+        speed = f"{steady / base_tps:.2f}x" if base_tps and steady else "-"
+        lines.append(f"| {recipe} | {steps} | {loss:.4f} | {gap} | {tps or 0:.0f} | {steady or 0:.0f} | {speed} | {mem_s} |")
     table = "\n".join(lines)
     if plot_path:
         plot_loss_curves(curves, plot_path, title="training loss by recipe")
@@ -197,6 +212,7 @@ def parse_args(argv=None):
     e.add_argument("--tasks", nargs="*", default=["piqa", "hellaswag", "arc_easy", "lambada"])
     e.add_argument("--limit", type=int, default=None, help="first N items of each task")
     e.add_argument("--heldout-batches", type=int, default=64)
+    e.add_argument("--batch-size", type=int, default=32, help="zero-shot requests scored per forward")
     e.add_argument("--tasks-dir", default=None,
                    help="read the task request files from here (train.tasks.export_task_files) instead of the wheel")
     e.add_argument("--device", default=None)

@@ -85,6 +85,7 @@ class LayerPlan:
     wgrad: GemmPlan
     backend: object
     layer: "AdaHOPLinear | None" = None  # set while calibrating: receives the observations
+    needs_backward: bool = True  # False under no_grad / inference: nothing is saved for wgrad
 
 
 def topk_outer(t: torch.Tensor, outer_dim: int, k: int) -> torch.Tensor:
@@ -144,14 +145,15 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
                 out_dtype=x_TK.dtype,
             )
 
-        # What wgrad (dw_NK = g^T x) needs of x: x quantized along T, or x itself.
+        # What wgrad (dw_NK = g^T x) needs of x: x quantized along T, or x itself (nothing when
+        # no backward will run: evaluation would otherwise pay a quantization pass per layer).
         wg = plan.wgrad
         ctx.wgrad_x_q = None
         ctx.wgrad_cols = False
         saved = [weight]
-        if not wg.quantized:
+        if plan.needs_backward and not wg.quantized:
             saved.append(x_TK)
-        else:
+        elif plan.needs_backward:
             cols_idx = None
             if wg.mode == "iht+oe_right":  # OE on B = x's columns (input features)
                 cols_idx = topk_outer(x_TK, 1, wg.oe_k)
@@ -283,7 +285,7 @@ class AdaHOPLinear(nn.Linear):
         self.patterns = dict(patterns) if patterns is not None else self.patterns
 
     # ---- forward -------------------------------------------------------------------------------
-    def _plan(self, device: torch.device, observe: bool, tokens: int) -> LayerPlan:
+    def _plan(self, device: torch.device, observe: bool, tokens: int, needs_backward: bool = True) -> LayerPlan:
         modes = {g: "bf16" for g in GEMMS} if self.calibrating else self.modes
         call = self.calls
         self.calls += 1
@@ -302,6 +304,7 @@ class AdaHOPLinear(nn.Linear):
             plans["fprop"], plans["dgrad"], plans["wgrad"],
             backend=get_backend(self.config.backend, device),
             layer=self if observe else None,
+            needs_backward=needs_backward,
         )
 
     def _warn_oe_clamp(self, modes: dict, tokens: int) -> None:
@@ -333,7 +336,8 @@ class AdaHOPLinear(nn.Linear):
             dtype = x.dtype
         observe = self.calibrating and self.training and torch.is_grad_enabled()
         x_TK = x.reshape(-1, self.in_features).to(dtype)
-        plan = self._plan(x.device, observe, x_TK.shape[0])
+        needs_backward = torch.is_grad_enabled() and (x_TK.requires_grad or self.weight.requires_grad)
+        plan = self._plan(x.device, observe, x_TK.shape[0], needs_backward)
         with torch.autocast(device_type, enabled=False):
             y = _AdaHOPLinearFunction.apply(x_TK, self.weight, plan)
             if self.bias is not None:
