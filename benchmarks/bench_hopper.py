@@ -8,6 +8,7 @@
 2. quant:  fused quantize kernels, GB/s of bytes moved (read + written) against a
            device-to-device copy measured in the same run.
 3. gemm:   hopper_fp8 MXFP4 GEMM (``torch._scaled_mm`` e4m3 row-wise) vs cuBLAS BF16, TFLOP/s.
+   split:  operands with few rows (quantized along T), K split over programs vs not.
 4. linear: AdaHOPLinear forward + backward per recipe vs BF16 ``nn.Linear`` at T = 16384, and the
            same recipes on the reference backend (fake-quant emulation, what FP4 libraries do on
            Hopper); torchao float8 (compiled) when torchao imports.
@@ -167,6 +168,33 @@ def section_quant(res):
     nb = R * K * 17 // 32 + R * K
     rows.append(dict(variant="unpack packed -> e4m3", ms=t, GBps=nb / t / 1e6, frac_of_copy=nb / t / 1e6 / copy_gbs, config="16x256/4w"))
     res["quant"] = rows
+
+
+# ---- 2b. K-split of operands with few rows ------------------------------------------------------
+def section_split(res):
+    """Operands quantized along T have R = features rows: few row groups, long rows. Split K
+    over programs (auto) against one program per row group, same bits."""
+    rows = []
+    cases = [  # (name, shape, dim, e4m3)
+        ("x [16384, 4096] along T -> packed, IHT 32", (16384, 4096), 0, False),
+        ("g [16384, 4096] along T -> e4m3, IHT 32", (16384, 4096), 0, True),
+        ("x [32768, 384] along T -> packed, IHT 32 (20m model)", (32768, 384), 0, False),
+        ("g [32768, 128] along T -> e4m3, IHT 32 (20m model, wk/wv)", (32768, 128), 0, True),
+        ("g [32768, 1024] along T -> e4m3, IHT 32 (20m model, w1/w3)", (32768, 1024), 0, True),
+    ]
+    for name, shape, dim, e4m3 in cases:
+        x = activation(shape)
+        kw = dict(dim=dim, hadamard_size=32, e4m3=e4m3, packed=not e4m3)
+        one = quantize_operand_triton(x, k_splits=1, **kw)
+        auto = quantize_operand_triton(x, **kw)
+        key = "e4m3" if e4m3 else "mx"
+        same = (torch.equal(one["e4m3"].view(torch.uint8), auto["e4m3"].view(torch.uint8)) and torch.equal(one["row_scale"], auto["row_scale"])
+                if e4m3 else torch.equal(one[key].codes, auto[key].codes) and torch.equal(one[key].scale_e8m0, auto[key].scale_e8m0))
+        t1 = bench(lambda: quantize_operand_triton(x, k_splits=1, **kw), rep=50)  # noqa: B023
+        ta = bench(lambda: quantize_operand_triton(x, **kw), rep=50)  # noqa: B023
+        rows.append(dict(case=name, ms_one_range=t1, ms_auto_split=ta, speedup=t1 / ta, bit_exact=same))
+        print("  split", rows[-1], flush=True)
+    res["k_split"] = rows
 
 
 # ---- 3. GEMM ------------------------------------------------------------------------------------
@@ -336,6 +364,8 @@ def main():
                 section_check(res)
             elif name == "quant":
                 section_quant(res)
+            elif name == "split":
+                section_split(res)
             elif name == "gemm":
                 section_gemm(res)
             elif name == "linear":

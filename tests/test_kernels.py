@@ -194,3 +194,37 @@ def test_arithmetic_rne_encoder_equals_reference(dim, h, mode):
     assert_same_mx(out["mx"], ref)
     plain = quantize_operand_triton(x, dim, hadamard_size=h, scale_mode=mode, e4m3=True, arith_rne=False)
     assert torch.equal(out["e4m3"].view(torch.uint8), plain["e4m3"].view(torch.uint8))
+
+
+@pytest.mark.parametrize("dim,h,rounding,e4m3", [(1, 32, "rne", True), (0, 16, "sr", True), (1, None, "sr", False), (0, 64, "rne", False)])
+def test_k_split_equals_one_range_per_row(dim, h, rounding, e4m3):
+    """Splitting K over several programs (operands with few rows) gives the same bits: the
+    blocks are independent, and the e4m3 row scale comes from the ranges' partial maxima."""
+    x = make((20, 456), seed=13)  # K padded to 512 (or 480): 8 chunks of 64
+    x[3, 200] = float("inf")
+    x = x if dim == 1 else x.t().contiguous()
+    kw = dict(hadamard_size=h, rounding=rounding, sr_seed=4, e4m3=e4m3, sumsq=True, block_k=64)
+    one = quantize_operand_triton(x, dim, k_splits=1, **kw)
+    for splits in (3, 8, 50):  # 3 ranges of 3, 3, 2 chunks; one chunk each; more than chunks
+        got = quantize_operand_triton(x, dim, k_splits=splits, **kw)
+        assert_same_mx(got["mx"], one["mx"])
+        if e4m3:
+            assert torch.equal(got["e4m3"].view(torch.uint8), one["e4m3"].view(torch.uint8))
+            assert torch.equal(got["row_scale"], one["row_scale"])
+        assert torch.allclose(got["sumsq"], one["sumsq"], rtol=1e-5, equal_nan=True)
+    ref = quantize_operand(x, dim, OperandSpec(hadamard_size=h, rounding=rounding, sr_seed=4))
+    assert_same_mx(one["mx"], ref)
+    with pytest.raises(ValueError, match="k_splits"):
+        quantize_operand_triton(x, dim, k_splits=0, **kw)
+
+
+def test_auto_k_splits(monkeypatch):
+    from adahop.kernels import quantize
+
+    assert quantize.auto_k_splits(4, 100, torch.device("cpu")) == 1
+    cuda = torch.device("cuda")
+    monkeypatch.setitem(quantize._SM_COUNT, cuda, 132)  # an H100/H200's SMs, without a GPU
+    assert quantize.auto_k_splits(24, 128, cuda) == 22  # 24 row groups x 22 ranges >= 4 per SM
+    assert quantize.auto_k_splits(24, 8, cuda) == 8  # at most one range per chunk
+    assert quantize.auto_k_splits(1024, 128, cuda) == 1  # the rows alone fill the GPU
+    assert quantize.auto_k_splits(0, 128, cuda) == 1

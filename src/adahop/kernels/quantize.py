@@ -149,16 +149,24 @@ def _emit_chunk(
 @triton.jit
 def _mxfp4_quantize_kernel(
     x_ptr, stride_r, stride_k,
-    codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, rowscale_ptr, sumsq_ptr,
-    R, K, KP, sr_key, sign_key, norm,
+    codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, rowscale_ptr, sumsq_ptr, epart_ptr,
+    R, K, KP, SPLIT_K, n_splits, sr_key, sign_key, norm,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
     SCALE_MODE: tl.constexpr, SR: tl.constexpr, SINGLE_CHUNK: tl.constexpr,
     WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr, WRITE_SUMSQ: tl.constexpr,
     NAN_BY_CAST: tl.constexpr, FWHT_INPLACE: tl.constexpr, ARITH_RNE: tl.constexpr,
+    PHASE: tl.constexpr,
 ):
+    """Program (i, s) owns rows [i * BLOCK_R, (i + 1) * BLOCK_R) and the K range
+    [s * SPLIT_K, (s + 1) * SPLIT_K) (SPLIT_K = KP: one range per row). PHASE 0 does everything;
+    for a split e4m3 operand, PHASE 1 writes each range's largest block exponent to ``epart``
+    [n_splits, R] and PHASE 2 reads them back and emits."""
     pid = tl.program_id(0)
+    sid = tl.program_id(1)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
+    k_lo = sid * SPLIT_K
+    k_hi = tl.minimum(k_lo + SPLIT_K, KP)
 
     if SINGLE_CHUNK:  # the whole (padded) row fits one chunk: one read, one transform
         x = _load_transform(x_ptr, stride_r, stride_k, rows, 0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE)
@@ -169,24 +177,36 @@ def _mxfp4_quantize_kernel(
         if WRITE_SUMSQ:
             tl.store(sumsq_ptr + rows, tl.sum(x * x, axis=1), mask=row_ok)
         _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, 0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_RNE)
+    elif PHASE == 1:  # largest block exponent of this K range, for PHASE 2
+        e_part = tl.full((BLOCK_R,), -127, tl.int32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE)
+            e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
+            e_part = tl.maximum(e_part, tl.max(tl.where(finite, e, -127), axis=1))
+        tl.store(epart_ptr + sid * R + rows, e_part, mask=row_ok)
     else:
-        # Pass 1 (only for the e4m3 form): each row's largest block exponent.
+        # The e4m3 form needs each row's largest block exponent first: from PHASE 1's partial
+        # maxima, or (one range per row) from a first pass over the row.
         e_rowmax = tl.full((BLOCK_R,), -127, tl.int32)
         if WRITE_E4M3:
-            for k0 in range(0, KP, BLOCK_K):
-                x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE)
-                e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
-                e_rowmax = tl.maximum(e_rowmax, tl.max(tl.where(finite, e, -127), axis=1))
-            tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok)
+            if PHASE == 2:
+                for sp in range(0, n_splits):
+                    e_rowmax = tl.maximum(e_rowmax, tl.load(epart_ptr + sp * R + rows, mask=row_ok, other=-127))
+            else:
+                for k0 in range(k_lo, k_hi, BLOCK_K):
+                    x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE)
+                    e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
+                    e_rowmax = tl.maximum(e_rowmax, tl.max(tl.where(finite, e, -127), axis=1))
+            tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok & (sid == 0))
         sumsq = tl.zeros((BLOCK_R,), tl.float32)
-        for k0 in range(0, KP, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE)
             if WRITE_SUMSQ:
                 sumsq += tl.sum(x * x, axis=1)
             e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
             _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, k0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_RNE)
         if WRITE_SUMSQ:
-            tl.store(sumsq_ptr + rows, sumsq, mask=row_ok)
+            tl.store(sumsq_ptr + sid * R + rows, sumsq, mask=row_ok)
 
 
 # Launch configurations by (quantization dim of the 2-D operand, e4m3 output?): block_r rows per
@@ -202,6 +222,25 @@ LAUNCH_CONFIGS: dict[tuple[int, bool], dict] = {}
 
 def launch_config(dim: int, e4m3: bool) -> dict:
     return dict(LAUNCH_CONFIGS.get((dim % 2, e4m3), DEFAULT_LAUNCH))
+
+
+# Programs a launch should have to fill the GPU (a few per SM): operands with few rows (x or g
+# along T, R = features) get their K range split over that many programs.
+PROGRAMS_PER_SM = 4
+_SM_COUNT: dict = {}
+
+
+def auto_k_splits(row_programs: int, n_chunks: int, device: torch.device) -> int:
+    """How many K ranges per row group: 1 on the CPU or when the row groups alone fill the GPU,
+    else enough for ``PROGRAMS_PER_SM`` programs per SM (at most one per chunk)."""
+    if device.type != "cuda" or row_programs == 0:
+        return 1
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    target = PROGRAMS_PER_SM * _SM_COUNT[device]
+    if row_programs >= target:
+        return 1
+    return max(1, min(n_chunks, -(-target // row_programs)))
 
 
 def sr_key(seed: int) -> int:
@@ -228,10 +267,15 @@ def quantize_operand_triton(
     single_chunk_max: int | None = None,
     fwht_inplace: bool | None = None,
     arith_rne: bool | None = None,
+    k_splits: int | None = None,
 ):
     """Quantize 2-D ``x`` along ``dim`` with the fused kernel. Returns a dict with, as asked,
     ``"mx"`` (MXFP4Tensor), ``"e4m3"`` ([R, KP] float8_e4m3fn), ``"row_scale"`` ([R] float32)
-    and ``"sumsq"`` ([R] float32); R = the other dim."""
+    and ``"sumsq"`` ([R] float32); R = the other dim.
+
+    ``k_splits``: programs per row group along K (None: enough to fill the GPU, see
+    ``auto_k_splits``; 1 on the CPU). Splitting changes nothing in the result but the order of
+    ``sumsq``'s float additions."""
     if x.dim() != 2:
         raise ValueError(f"quantize_operand_triton takes a 2-D operand, got shape {tuple(x.shape)}")
     if block_size != 32:
@@ -256,24 +300,37 @@ def quantize_operand_triton(
     single = 0 < KP <= single_chunk_max  # one chunk per row: one read instead of two for e4m3
     if single:
         block_k = triton.next_power_of_2(KP)
+    n_chunks = triton.cdiv(KP, block_k)
+    row_programs = triton.cdiv(R, block_r)
+    if k_splits is None:
+        k_splits = auto_k_splits(row_programs, n_chunks, x.device)
+    if isinstance(k_splits, bool) or not isinstance(k_splits, int) or k_splits < 1:
+        raise ValueError(f"k_splits must be a positive int, got {k_splits!r}")
+    chunks_per_split = triton.cdiv(n_chunks, min(k_splits, n_chunks)) if n_chunks else 1
+    k_splits = max(1, triton.cdiv(n_chunks, chunks_per_split))  # no empty range
+    split_k = chunks_per_split * block_k  # a multiple of the chunk: no block or group straddles two
     log2_h = (hadamard_size or 1).bit_length() - 1
     dev = x.device
     codes = torch.empty((R, KP // 2), dtype=torch.uint8, device=dev) if packed else None
     scales = torch.empty((R, KP // 32), dtype=torch.uint8, device=dev) if packed else None
     e4 = torch.empty((R, KP), dtype=torch.float8_e4m3fn, device=dev) if e4m3 else None
     rs = torch.empty((R,), dtype=torch.float32, device=dev) if e4m3 else None
-    ss = torch.empty((R,), dtype=torch.float32, device=dev) if sumsq else None
+    ss = torch.empty((k_splits, R), dtype=torch.float32, device=dev) if sumsq else None
+    two_phase = e4m3 and k_splits > 1
+    epart = torch.empty((k_splits, R), dtype=torch.int32, device=dev) if two_phase else None
     dummy = torch.empty((1,), dtype=torch.uint8, device=dev)
-    grid = (triton.cdiv(R, block_r),)
-    _mxfp4_quantize_kernel[grid](
+    grid = (row_programs, k_splits)
+    args = (
         view, view.stride(0), view.stride(1),
         codes if packed else dummy, scales if packed else dummy,
         e4 if e4m3 else dummy, e4.view(torch.uint8) if e4m3 else dummy,
-        rs if e4m3 else dummy, ss if sumsq else dummy,
-        R, K, KP,
+        rs if e4m3 else dummy, ss if sumsq else dummy, epart if two_phase else dummy,
+        R, K, KP, split_k, k_splits,
         sr_key(sr_seed) if rounding == "sr" else 0,
         _lowbias32_int(signs_seed) if signs_seed is not None else 0,
         HADAMARD_NORM[hadamard_size] if hadamard_size else 1.0,
+    )
+    meta = dict(
         BLOCK_R=block_r, BLOCK_K=block_k, LOG2_H=log2_h, HAS_SIGNS=signs_seed is not None,
         SCALE_MODE=SCALE_MODE_IDS[scale_mode], SR=rounding == "sr", SINGLE_CHUNK=single,
         WRITE_PACKED=packed, WRITE_E4M3=e4m3, WRITE_SUMSQ=sumsq,
@@ -281,12 +338,17 @@ def quantize_operand_triton(
         FWHT_INPLACE=fwht_inplace, ARITH_RNE=arith_rne,
         num_warps=num_warps,
     )
+    if two_phase:
+        _mxfp4_quantize_kernel[grid](*args, PHASE=1, **meta)
+    _mxfp4_quantize_kernel[grid](*args, PHASE=2 if two_phase else 0, **meta)
+    if sumsq and k_splits > 1:
+        ss = ss.sum(0, keepdim=True)
     out = {}
     if packed:
         out["mx"] = MXFP4Tensor(codes, scales, x.shape, dim, 32)
     if e4m3:
         out["e4m3"], out["row_scale"] = e4, rs
     if sumsq:
-        out["sumsq"] = ss
+        out["sumsq"] = ss[0]
     return out
 
