@@ -141,7 +141,7 @@ def section_quant(res):
                dict(block_r=8, block_k=256, num_warps=4, single_chunk_max=0),
                dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=0, fwht_inplace=True),
                dict(block_r=32, block_k=256, num_warps=8, single_chunk_max=0, fwht_inplace=True),
-               dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=0, fwht_inplace=True, arith_rne=True)]
+               dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=0, fwht_inplace=True, arith_e2m1=True)]
     tuned = {}
     for name, kw, nbytes, key in variants:
         tried = [tuned[(1, True)]] if key == "reuse" else configs

@@ -7,11 +7,19 @@ import math
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 import adahop  # noqa: E402
 from adahop.formats.mxfp4 import dequantize_mxfp4  # noqa: E402
 from adahop.kernels.quantize import quantize_operand_triton  # noqa: E402
+from adahop.kernels.mxfp4_math import (  # noqa: E402
+    e2m1_codes_rne,
+    e2m1_codes_sr,
+    e2m1_rne_arith,
+    e2m1_sr_arith,
+    e2m1_value,
+)
 from adahop.kernels.unpack import unpack_to_e4m3  # noqa: E402
 from adahop.ops import OperandSpec, quantize_operand  # noqa: E402
 from adahop.ops.backends import get_backend, unavailable_reason  # noqa: E402
@@ -183,17 +191,57 @@ def test_inplace_butterfly_form_equals_reference(h):
         assert_same_mx(got, ref)
 
 
-@pytest.mark.parametrize("dim,h,mode", [(1, 32, "even"), (0, None, "floor"), (1, 64, "rceil")])
-def test_arithmetic_rne_encoder_equals_reference(dim, h, mode):
-    """The arithmetic E2M1 encoder gives the reference codes and e4m3 values (special values too)."""
+@pytest.mark.parametrize("dim,h,mode,rounding", [(1, 32, "even", "rne"), (0, None, "floor", "rne"), (1, 64, "rceil", "rne"),
+                                                 (1, 32, "even", "sr"), (0, 16, "rceil", "sr")])
+def test_arithmetic_encoder_equals_compare_chains(dim, h, mode, rounding):
+    """The arithmetic E2M1 encoders (RNE and SR) give the reference codes and the same e4m3
+    bytes as the compare chains (special values too)."""
     x = make((24, 96), seed=11)
     x[0, 3] = float("nan")
     x[1] = 0.0
-    ref = quantize_operand(x, dim, OperandSpec(hadamard_size=h, scale_mode=mode))
-    out = quantize_operand_triton(x, dim, hadamard_size=h, scale_mode=mode, e4m3=True, arith_rne=True)
+    kw = dict(hadamard_size=h, scale_mode=mode, rounding=rounding, sr_seed=21, e4m3=True)
+    ref = quantize_operand(x, dim, OperandSpec(hadamard_size=h, scale_mode=mode, rounding=rounding, sr_seed=21))
+    out = quantize_operand_triton(x, dim, arith_e2m1=True, **kw)
     assert_same_mx(out["mx"], ref)
-    plain = quantize_operand_triton(x, dim, hadamard_size=h, scale_mode=mode, e4m3=True, arith_rne=False)
+    plain = quantize_operand_triton(x, dim, arith_e2m1=False, **kw)
+    assert_same_mx(plain["mx"], ref)
     assert torch.equal(out["e4m3"].view(torch.uint8), plain["e4m3"].view(torch.uint8))
+
+
+@triton.jit
+def _both_encoders(a_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    a = tl.load(a_ptr + offs, mask=m, other=0.0)
+    u = tl.load(u_ptr + offs, mask=m, other=0.0)
+    c_rne, v_rne = e2m1_rne_arith(a)
+    c_sr, v_sr = e2m1_sr_arith(a, u)
+    tl.store(out_ptr + offs, c_rne, mask=m)
+    tl.store(out_ptr + n + offs, e2m1_codes_rne(a), mask=m)
+    tl.store(out_ptr + 2 * n + offs, c_sr, mask=m)
+    tl.store(out_ptr + 3 * n + offs, e2m1_codes_sr(a, u), mask=m)
+    tl.store(out_ptr + 4 * n + offs, (v_rne == e2m1_value(c_rne)).to(tl.int32), mask=m)
+    tl.store(out_ptr + 5 * n + offs, (v_sr == e2m1_value(c_sr)).to(tl.int32), mask=m)
+
+
+
+def test_arithmetic_encoders_on_every_boundary():
+    """Encoder level: the arithmetic encoders against the compare chains on the grid points,
+    the midpoints, one float32 step either side of each, and random magnitudes; SR with u
+    around each fraction."""
+    grid_pts = torch.tensor([0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6], dtype=torch.float32)
+    special = torch.cat([grid_pts, torch.nextafter(grid_pts, torch.tensor(7.0)), torch.nextafter(grid_pts, torch.tensor(-1.0)).clamp(min=0)])
+    gen = torch.Generator().manual_seed(0)
+    a = torch.cat([special.repeat(8), torch.rand(4096 - 8 * special.numel(), generator=gen) * 6]).clamp(max=6.0)
+    u = torch.rand(a.numel(), generator=gen)
+    u[: 8 * special.numel()] = torch.tensor([0.0, 0.25, 0.5, 0.75, 1 - 2**-24, 2**-24, 0.125, 0.999]).repeat_interleave(special.numel())
+    a, u = a.to(DEVICE), u.to(DEVICE)
+    out = torch.empty(6 * a.numel(), dtype=torch.int32, device=DEVICE)
+    _both_encoders[(triton.cdiv(a.numel(), 1024),)](a, u, out, a.numel(), BLOCK=1024)
+    out = out.view(6, -1).cpu()
+    assert torch.equal(out[0], out[1])
+    assert torch.equal(out[2], out[3])
+    assert bool(out[4].all()) and bool(out[5].all())
 
 
 @pytest.mark.parametrize("dim,h,rounding,e4m3", [(1, 32, "rne", True), (0, 16, "sr", True), (1, None, "sr", False), (0, 64, "rne", False)])

@@ -7,7 +7,8 @@ operation for operation, so that the kernels' outputs are the reference's bits:
 * ``fwht``: the butterfly with the reference's additions (stages h = H/2, .., 1);
 * ``block_exponent``: the four scale modes from amax's float32 bits (rceil's ``amax / 6`` is an
   IEEE round-to-nearest division, ``div_rn``: Triton's default fp32 ``/`` is approximate);
-* ``e2m1_codes_rne`` / ``e2m1_codes_sr``: the comparison chains of the reference;
+* ``e2m1_codes_rne`` / ``e2m1_codes_sr``: the comparison chains of the reference, and
+  ``e2m1_rne_arith`` / ``e2m1_sr_arith``: the same codes by arithmetic (fewer instructions);
 * ``pow2``: exact float32 powers of two built from bits (normal and subnormal).
 """
 
@@ -104,6 +105,23 @@ def e2m1_rne_arith(a):
     mid = a < 4.0
     inv_s = tl.where(small, 2.0, tl.where(mid, 1.0, 0.5))  # powers of two: a * inv_s is exact
     k = (a * inv_s + 8388608.0) - 8388608.0
+    value = k * tl.where(small, 0.5, tl.where(mid, 1.0, 2.0))
+    kc = k.to(tl.int32)
+    return tl.where(small, kc, tl.where(mid, kc + 2, kc + 4)), value
+
+
+@triton.jit
+def e2m1_sr_arith(a, u):
+    """Stochastic rounding of |v| in [0, 6] to the E2M1 grid, arithmetically: (magnitude code,
+    rounded value), the same as ``e2m1_codes_sr``. With the spacing s (0.5, 1, 2 below 2, 4,
+    6), y = a / s is exact (s a power of two), k = floor(y) by truncation, and the reference's
+    fraction (a - lo) / (hi - lo) is exactly y - k; round up iff u < y - k. At a = 6, k = 3 and
+    the fraction is 0, so nothing rounds past the grid."""
+    small = a < 2.0
+    mid = a < 4.0
+    y = a * tl.where(small, 2.0, tl.where(mid, 1.0, 0.5))
+    k = y.to(tl.int32).to(tl.float32)  # truncation = floor for y >= 0
+    k = k + (u < (y - k)).to(tl.float32)
     value = k * tl.where(small, 0.5, tl.where(mid, 1.0, 2.0))
     kc = k.to(tl.int32)
     return tl.where(small, kc, tl.where(mid, kc + 2, kc + 4)), value

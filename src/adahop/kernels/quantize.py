@@ -38,6 +38,7 @@ from adahop.kernels.mxfp4_math import (
     e2m1_codes_rne,
     e2m1_codes_sr,
     e2m1_rne_arith,
+    e2m1_sr_arith,
     e2m1_value,
     fwht,
     fwht_inplace,
@@ -87,7 +88,7 @@ def _emit_chunk(
     codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SR: tl.constexpr,
     WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr, NAN_BY_CAST: tl.constexpr,
-    ARITH_RNE: tl.constexpr,
+    ARITH_E2M1: tl.constexpr,
 ):
     """Round one transformed chunk and write its scale bytes, packed codes and/or e4m3 form."""
     NB: tl.constexpr = BLOCK_K // 32
@@ -108,8 +109,11 @@ def _emit_chunk(
         ctr = (rows[:, None].to(tl.int64) * KP + cols[None, :]).to(tl.uint32)
         r = lowbias32(ctr ^ sr_key.to(tl.uint32))
         u = (r >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
-        c = e2m1_codes_sr(a, tl.reshape(u, (BLOCK_R, NB, 32)))
-    elif ARITH_RNE:
+        if ARITH_E2M1:
+            c, mag = e2m1_sr_arith(a, tl.reshape(u, (BLOCK_R, NB, 32)))
+        else:
+            c = e2m1_codes_sr(a, tl.reshape(u, (BLOCK_R, NB, 32)))
+    elif ARITH_E2M1:
         c, mag = e2m1_rne_arith(a)
     else:
         c = e2m1_codes_rne(a)
@@ -123,7 +127,7 @@ def _emit_chunk(
         tl.store(codes_ptr + rows[:, None].to(tl.int64) * (KP // 2) + pcols[None, :], packed, mask=pmask)
     if WRITE_E4M3:
         shift = tl.maximum(e - e_rowmax[:, None] + 6, -126)  # below that it is 0 in e4m3 anyway
-        if ARITH_RNE and not SR:
+        if ARITH_E2M1:
             val = mag * pow2(shift)[:, :, None]
         else:
             val = e2m1_value(c) * pow2(shift)[:, :, None]
@@ -154,7 +158,7 @@ def _mxfp4_quantize_kernel(
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
     SCALE_MODE: tl.constexpr, SR: tl.constexpr, SINGLE_CHUNK: tl.constexpr,
     WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr, WRITE_SUMSQ: tl.constexpr,
-    NAN_BY_CAST: tl.constexpr, FWHT_INPLACE: tl.constexpr, ARITH_RNE: tl.constexpr,
+    NAN_BY_CAST: tl.constexpr, FWHT_INPLACE: tl.constexpr, ARITH_E2M1: tl.constexpr,
     PHASE: tl.constexpr,
 ):
     """Program (i, s) owns rows [i * BLOCK_R, (i + 1) * BLOCK_R) and the K range
@@ -176,7 +180,7 @@ def _mxfp4_quantize_kernel(
             tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok)
         if WRITE_SUMSQ:
             tl.store(sumsq_ptr + rows, tl.sum(x * x, axis=1), mask=row_ok)
-        _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, 0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_RNE)
+        _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, 0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_E2M1)
     elif PHASE == 1:  # largest block exponent of this K range, for PHASE 2
         e_part = tl.full((BLOCK_R,), -127, tl.int32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -204,19 +208,19 @@ def _mxfp4_quantize_kernel(
             if WRITE_SUMSQ:
                 sumsq += tl.sum(x * x, axis=1)
             e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
-            _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, k0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_RNE)
+            _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, k0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_E2M1)
         if WRITE_SUMSQ:
             tl.store(sumsq_ptr + sid * R + rows, sumsq, mask=row_ok)
 
 
 # Launch configurations by (quantization dim of the 2-D operand, e4m3 output?): block_r rows per
 # program, block_k columns per chunk, warps, the longest padded row handled in one chunk (one
-# read instead of two for the e4m3 form) and the butterfly form. Measured on the H200
-# (benchmarks/results/hopper_h200.md, run 11): 16 x 256 with 4 warps and the in-place butterfly
-# was the fastest for 4 of the 5 variants; single-chunk rows spill registers on long rows
-# (g [16384, 14336]: run 7), so they are off by default. ``arith_rne`` (the arithmetic E2M1
-# encoder) is not measured on a GPU yet.
-DEFAULT_LAUNCH = dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=0, fwht_inplace=True)
+# read instead of two for the e4m3 form), the butterfly form and the E2M1 encoder. Measured on
+# the H200 (benchmarks/results/hopper_h200.md): 16 x 256 with 4 warps and the in-place butterfly
+# was the fastest for 4 of the 5 variants (run 11); single-chunk rows spill registers on long rows
+# (g [16384, 14336]: run 7), so they are off by default; the arithmetic E2M1 encoder beat the
+# compare chains in every variant (run 14: IHT e4m3 0.334 -> 0.277 ms).
+DEFAULT_LAUNCH = dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=0, fwht_inplace=True, arith_e2m1=True)
 LAUNCH_CONFIGS: dict[tuple[int, bool], dict] = {}
 
 
@@ -266,7 +270,7 @@ def quantize_operand_triton(
     num_warps: int | None = None,
     single_chunk_max: int | None = None,
     fwht_inplace: bool | None = None,
-    arith_rne: bool | None = None,
+    arith_e2m1: bool | None = None,
     k_splits: int | None = None,
 ):
     """Quantize 2-D ``x`` along ``dim`` with the fused kernel. Returns a dict with, as asked,
@@ -289,7 +293,7 @@ def quantize_operand_triton(
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
     single_chunk_max = cfg["single_chunk_max"] if single_chunk_max is None else single_chunk_max
     fwht_inplace = cfg["fwht_inplace"] if fwht_inplace is None else fwht_inplace
-    arith_rne = cfg.get("arith_rne", False) if arith_rne is None else arith_rne
+    arith_e2m1 = cfg["arith_e2m1"] if arith_e2m1 is None else arith_e2m1
     view = x if dim == 1 else x.t()  # logical [R, K]: K = contraction dim
     R, K = view.shape
     align = max(32, hadamard_size or 1)
@@ -335,7 +339,7 @@ def quantize_operand_triton(
         SCALE_MODE=SCALE_MODE_IDS[scale_mode], SR=rounding == "sr", SINGLE_CHUNK=single,
         WRITE_PACKED=packed, WRITE_E4M3=e4m3, WRITE_SUMSQ=sumsq,
         NAN_BY_CAST=os.environ.get("TRITON_INTERPRET") != "1",
-        FWHT_INPLACE=fwht_inplace, ARITH_RNE=arith_rne,
+        FWHT_INPLACE=fwht_inplace, ARITH_E2M1=arith_e2m1,
         num_warps=num_warps,
     )
     if two_phase:
