@@ -165,3 +165,28 @@ def test_mix_seeds_values_do_not_run_together():
 def test_mix_seeds_rejects_negative():
     with pytest.raises(ValueError, match="non-negative"):
         mix_seeds(1, -1)
+
+
+def test_mix_seeds_from_continues_the_chain():
+    from adahop.formats.rng import MIX_START, mix_seeds_from
+
+    assert mix_seeds_from(MIX_START) == mix_seeds()
+    assert mix_seeds_from(mix_seeds(7, 2**40 + 3), 5, 0) == mix_seeds(7, 2**40 + 3, 5, 0)
+    with pytest.raises(ValueError):
+        mix_seeds_from(MIX_START, -1)
+
+
+def test_layer_seeds_follow_the_documented_formula():
+    import adahop
+    from torch import nn
+
+    lin = nn.Linear(64, 32)
+    layer = adahop.AdaHOPLinear.from_float(lin, config=adahop.AdaHOPConfig.from_recipe_name("tseng", seed=5), name="blocks.0.wq")
+    for call in range(3):
+        plan = layer._plan(torch.device("cpu"), False, 64)
+        for gi, gemm in enumerate(("fprop", "dgrad", "wgrad")):
+            g = getattr(plan, gemm)
+            assert g.a.sr_seed == mix_seeds(5, layer.layer_id, call, gi, 0)
+            assert g.b.sr_seed == mix_seeds(5, layer.layer_id, call, gi, 1)
+            if g.a.signs_seed is not None:
+                assert g.a.signs_seed == mix_seeds(5, layer.layer_id, gi, 2)

@@ -39,7 +39,7 @@ from torch import nn
 
 from adahop.config import AdaHOPConfig, GemmConfig
 from adahop.formats.mxfp4 import MXFP4Tensor
-from adahop.formats.rng import mix_seeds
+from adahop.formats.rng import mix_seeds, mix_seeds_from
 from adahop.ops.backends import get_backend
 from adahop.ops.operand import OperandSpec
 from adahop.patterns.calibration import LayerCalibration, observe_tensor
@@ -239,6 +239,7 @@ class AdaHOPLinear(nn.Linear):
         self.patterns: dict | None = None
         self.modes: dict | None = None if config.adaptive else config.fixed_modes()
         self._oe_clamp_warned = False
+        self._seed_prefix = None  # mix_seeds(config.seed, layer_id), hashed on first use
         self._register_load_state_dict_pre_hook(self._fill_missing_extra_state, with_module=False)
 
     @classmethod
@@ -289,16 +290,17 @@ class AdaHOPLinear(nn.Linear):
         modes = {g: "bf16" for g in GEMMS} if self.calibrating else self.modes
         call = self.calls
         self.calls += 1
+        # SR seeds = mix_seeds(seed, layer_id, call, gemm, operand); signs seeds = mix_seeds(seed,
+        # layer_id, gemm, 2), fixed per layer and GEMM. The chain's fixed prefix is hashed once.
+        if self._seed_prefix is None:
+            self._seed_prefix = mix_seeds(self.config.seed, self.layer_id)
+            self._signs_seeds = {g: mix_seeds_from(self._seed_prefix, GEMM_INDEX[g], 2) for g in GEMMS}
+        call_state = mix_seeds_from(self._seed_prefix, call)
         plans = {}
         for gemm in GEMMS:
-            cfg = self.config.gemm(gemm)
             gi = GEMM_INDEX[gemm]
-            sr = (
-                mix_seeds(self.config.seed, self.layer_id, call, gi, 0),
-                mix_seeds(self.config.seed, self.layer_id, call, gi, 1),
-            )
-            signs = mix_seeds(self.config.seed, self.layer_id, gi, 2)  # fixed per layer and GEMM
-            plans[gemm] = make_gemm_plan(modes[gemm], cfg, sr_seeds=sr, signs_seed=signs)
+            sr = (mix_seeds_from(call_state, gi, 0), mix_seeds_from(call_state, gi, 1))
+            plans[gemm] = make_gemm_plan(modes[gemm], self.config.gemm(gemm), sr_seeds=sr, signs_seed=self._signs_seeds[gemm])
         self._warn_oe_clamp(modes, tokens)
         return LayerPlan(
             plans["fprop"], plans["dgrad"], plans["wgrad"],

@@ -71,11 +71,20 @@ def _lowbias32_int(x: int) -> int:
     return x
 
 
+MIX_START = 0x9E3779B9  # golden-ratio start, so mix_seeds() of zeros is not zero
+
+
 def mix_seeds(*values: int) -> int:
     """Derive a 32-bit seed from several non-negative ints (config seed, layer id, call counter,
     GEMM and operand index): a chain of lowbias32 over each value's 32-bit words, each value
     closed by its word count (so (2**32 + a,) and (a, 1) do not collide)."""
-    h = 0x9E3779B9  # golden-ratio start, so mix_seeds() of zeros is not zero
+    return mix_seeds_from(MIX_START, *values)
+
+
+def mix_seeds_from(state: int, *values: int) -> int:
+    """Continue the chain of ``mix_seeds`` from ``state``: ``mix_seeds_from(mix_seeds(a, b), c)
+    == mix_seeds(a, b, c)``, so a caller can hash a fixed prefix once."""
+    h = state
     for v in values:
         v = int(v)
         if v < 0:

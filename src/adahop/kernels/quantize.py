@@ -301,6 +301,8 @@ def quantize_operand_triton(
     if R * KP >= 2**32:
         raise ValueError(f"operand too large for 32-bit SR counters: {R} x {KP}")
     block_k = max(block_k, align)
+    while block_k > align and (-KP % block_k) * 8 > KP:  # more than 1/8 of the chunks' work masked
+        block_k //= 2  # (K = 384: two chunks of 256 would waste a quarter; three of 128 none)
     single = 0 < KP <= single_chunk_max  # one chunk per row: one read instead of two for e4m3
     if single:
         block_k = triton.next_power_of_2(KP)
