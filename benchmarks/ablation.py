@@ -1,0 +1,132 @@
+"""Where does an MXFP4 recipe's loss gap come from? Train the same model under variants of
+adahop_lv2 that each change one thing (a GEMM kept in BF16, the gradient rounding, the scale
+mode) and compare held-out losses with bf16 and naive mxfp4, several seeds each.
+
+    python benchmarks/ablation.py --corpus runs/corpus --out runs/ablation --preset cpu \\
+        --variants bf16 lv2 lv2_fwd_bf16 --seeds 0 1
+    python benchmarks/ablation.py --corpus runs/corpus --out runs/ablation --report
+
+Each (variant, seed) is one training run in ``<out>/<variant>-s<seed>`` (resumable); ``--report``
+writes ``ablation.md`` over every finished run: mean held-out loss per variant, its gap to bf16
+and the spread over seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import adahop
+from adahop.policy import table_policy
+
+
+def _lv2_forcing(**forced):
+    """adahop_lv2 whose policy output is overridden for some GEMMs (e.g. dgrad="bf16")."""
+
+    def policy(summary):
+        modes = table_policy(summary, "lv2")
+        modes.update(forced)
+        return modes
+
+    return adahop.AdaHOPConfig.from_recipe_name("adahop_lv2", policy_fn=policy)
+
+
+def _lv2_settings(**changes):
+    """adahop_lv2 with GemmConfig fields changed in all three GEMMs."""
+    return adahop.AdaHOPConfig.from_recipe_name("adahop_lv2").with_gemm_settings(**changes)
+
+
+def _lv2_grad_rne():
+    cfg = adahop.AdaHOPConfig.from_recipe_name("adahop_lv2")
+    return cfg.replace(dgrad=dataclasses.replace(cfg.dgrad, a_rounding="rne"),
+                       wgrad=dataclasses.replace(cfg.wgrad, a_rounding="rne"))
+
+
+VARIANTS = {
+    "bf16": lambda: adahop.AdaHOPConfig.from_recipe_name("bf16"),
+    "mxfp4": lambda: adahop.AdaHOPConfig.from_recipe_name("mxfp4"),
+    "lv2": lambda: adahop.AdaHOPConfig.from_recipe_name("adahop_lv2"),
+    "lv2_fprop_bf16": lambda: _lv2_forcing(fprop="bf16"),  # only the backward in MXFP4
+    "lv2_dgrad_bf16": lambda: _lv2_forcing(dgrad="bf16"),
+    "lv2_wgrad_bf16": lambda: _lv2_forcing(wgrad="bf16"),
+    "lv2_bwd_bf16": lambda: _lv2_forcing(dgrad="bf16", wgrad="bf16"),  # only the forward in MXFP4
+    "lv2_grad_rne": _lv2_grad_rne,  # gradients rounded to nearest instead of stochastically
+    "lv2_rceil": lambda: _lv2_settings(scale_mode="rceil"),  # scales that never clip
+    "lv2_floor": lambda: _lv2_settings(scale_mode="floor"),  # the OCP MX scale (clips up to 1.75x)
+}
+
+
+def run_one(args, name: str, seed: int) -> None:
+    from adahop.cli import heldout_eval, open_run
+    from adahop.train.data import load_corpus
+    from adahop.train.recipes import preset
+    from adahop.train.trainer import train
+
+    out = Path(args.out) / f"{name}-s{seed}"
+    recipe = "bf16" if name == "bf16" else ("mxfp4" if name == "mxfp4" else "adahop_lv2")
+    cfg = preset(args.preset, recipe=recipe, seed=seed, out_dir=str(out), corpus_dir=args.corpus,
+                 steps=args.steps, progress=False)
+    corpus = load_corpus(cfg.corpus_dir)
+    model, batches = open_run(cfg, corpus)
+    qcfg = VARIANTS[name]().replace(calibration_steps=cfg.calibration_steps, backend=cfg.backend, seed=seed)
+    adahop.convert_to_adahop_training(model, config=qcfg.with_gemm_settings(oe_k=cfg.oe_k))
+
+    def eval_fn(m):
+        return heldout_eval(m, corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size, max_batches=cfg.eval_batches)
+
+    summary = train(cfg, model=model, train_batches=batches, eval_fn=eval_fn)
+    result = {"variant": name, "seed": seed, "steps": summary["steps"], "heldout_loss": summary["final_eval"]["loss"],
+              "last_train_losses": summary["losses"][-50:], "tokens_per_s": summary["tokens_per_s"]}
+    (out / "ablation.json").write_text(json.dumps(result, indent=1))
+    print(f"[{name} seed {seed}] held-out {result['heldout_loss']:.4f}", flush=True)
+
+
+def report(out: Path) -> str:
+    runs = [json.loads(p.read_text()) for p in sorted(out.glob("*/ablation.json"))]
+    by = {}
+    for r in runs:
+        by.setdefault(r["variant"], []).append(r)
+    if "bf16" not in by:
+        raise SystemExit("no finished bf16 run to compare with")
+    base = statistics.mean(r["heldout_loss"] for r in by["bf16"])
+    lines = ["| variant | seeds | held-out loss (mean) | gap to bf16 | spread over seeds (max - min) |", "|---|---|---|---|---|"]
+    order = [v for v in VARIANTS if v in by]
+    for v in order:
+        losses = [r["heldout_loss"] for r in by[v]]
+        mean = statistics.mean(losses)
+        lines.append(f"| {v} | {len(losses)} | {mean:.4f} | {mean - base:+.4f} | {max(losses) - min(losses):.4f} |")
+    table = "\n".join(lines) + "\n"
+    (out / "ablation.md").write_text(table)
+    return table
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--corpus", default="runs/corpus")
+    p.add_argument("--out", default="runs/ablation")
+    p.add_argument("--preset", default="cpu")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--report", action="store_true", help="only write the table of the finished runs")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    if not args.report:
+        import torch
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        for seed in args.seeds:
+            for name in args.variants:
+                run_one(args, name, seed)
+    print(report(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
