@@ -137,21 +137,26 @@ def section_quant(res):
         ("x along T -> e4m3, IHT 32", dict(dim=0, e4m3=True, packed=False, hadamard_size=32), R * K * 3, (0, True)),
         ("x along K -> packed, IHT 32", dict(dim=1, hadamard_size=32), R * K * 2 + R * K * 17 // 32, (1, False)),
     ]
-    configs = [dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=0),
-               dict(block_r=8, block_k=256, num_warps=4, single_chunk_max=0),
-               dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=0, fwht_inplace=True),
-               dict(block_r=32, block_k=256, num_warps=8, single_chunk_max=0, fwht_inplace=True),
-               dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=0, fwht_inplace=True, arith_e2m1=True)]
+    configs = [{},  # the library's default launch (kernels/quantize.py DEFAULT_LAUNCH)
+               dict(block_r=8, block_k=256, num_warps=4),
+               dict(block_r=32, block_k=256, num_warps=8),
+               dict(block_r=16, block_k=128, num_warps=4),
+               dict(block_r=8, block_k=512, num_warps=4),
+               dict(block_r=4, block_k=256, num_warps=2),
+               dict(fwht_inplace=False),  # the constant-geometry butterfly
+               dict(arith_e2m1=False)]  # the compare-chain E2M1 encoders
     tuned = {}
     for name, kw, nbytes, key in variants:
         tried = [tuned[(1, True)]] if key == "reuse" else configs
         best = None
+        every = []
         for cfg in tried:
             try:
                 t = bench(lambda: quantize_operand_triton(x, **cfg, **kw), rep=50)  # noqa: B023
             except Exception as e:  # a config that does not compile is skipped, and said
                 print(f"  {name} {cfg}: {type(e).__name__}")
                 continue
+            every.append(dict(config=cfg or "default", ms=t))
             if best is None or t < best[0]:
                 best = (t, cfg)
         t, cfg = best
@@ -160,7 +165,7 @@ def section_quant(res):
             # g [16384, 14336] (single-chunk rows), so the linear runs the library's defaults.
             tuned[key] = cfg
         gbs = nbytes / t / 1e6
-        rows.append(dict(variant=name, ms=t, GBps=gbs, frac_of_copy=gbs / copy_gbs, config=cfg))
+        rows.append(dict(variant=name, ms=t, GBps=gbs, frac_of_copy=gbs / copy_gbs, config=cfg or "default", every_config=every))
         print("  quant", rows[-1], flush=True)
     res["best_launch_configs_for_x"] = {str(k): v for k, v in tuned.items()}
     q = quantize_operand_triton(x, 0, hadamard_size=32)["mx"]
