@@ -800,3 +800,21 @@ def test_no_grad_forward_saves_nothing_for_wgrad(recipe, monkeypatch):
         y_eval = layer(x)
     assert len(calls) == 1
     assert torch.equal(y_grad.detach(), y_eval)
+
+
+def test_evaluation_between_steps_does_not_change_training():
+    """Forwards without a backward do not advance the SR seeds: a training run with an
+    evaluation between its steps gives the same gradients as one without."""
+    x, w, g = gaussian_data(64, 64, 32)
+    cfg = AdaHOPConfig.from_recipe_name("tseng", backend="reference")  # SR in the backward
+    grads = []
+    for evaluate in (False, True):
+        layer = make_layer(cfg, w)
+        fwd_bwd(layer, x, g)
+        if evaluate:
+            with torch.no_grad():
+                layer(x)
+        layer.weight.grad = None
+        grads.append(fwd_bwd(layer, x, g)[2].clone())
+    assert torch.equal(grads[0], grads[1])
+    assert layer.calls == 2

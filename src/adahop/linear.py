@@ -223,7 +223,7 @@ class AdaHOPLinear(nn.Linear):
 
     Build it with ``from_float`` (or ``convert_to_adahop_training``) so that it shares the
     original module's parameters. State beyond the parameters (calibration votes, patterns,
-    modes, the call counter that seeds stochastic rounding) is the module's extra state: it is
+    modes, the counter of training calls that seeds stochastic rounding) is the module's extra state: it is
     in ``state_dict()`` and restored by ``load_state_dict``."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *, config: AdaHOPConfig | None = None, name: str = ""):
@@ -289,7 +289,8 @@ class AdaHOPLinear(nn.Linear):
     def _plan(self, device: torch.device, observe: bool, tokens: int, needs_backward: bool = True) -> LayerPlan:
         modes = {g: "bf16" for g in GEMMS} if self.calibrating else self.modes
         call = self.calls
-        self.calls += 1
+        if needs_backward:  # forwards without a backward (evaluation) leave the SR sequence alone
+            self.calls += 1
         # SR seeds = mix_seeds(seed, layer_id, call, gemm, operand); signs seeds = mix_seeds(seed,
         # layer_id, gemm, 2), fixed per layer and GEMM. The chain's fixed prefix is hashed once.
         if self._seed_prefix is None:
