@@ -190,3 +190,6 @@ def test_layer_seeds_follow_the_documented_formula():
             assert g.b.sr_seed == mix_seeds(5, layer.layer_id, call, gi, 1)
             if g.a.signs_seed is not None:
                 assert g.a.signs_seed == mix_seeds(5, layer.layer_id, gi, 2)
+    layer.config = layer.config.replace(seed=6)  # a new seed is picked up (the cached prefix is keyed)
+    plan = layer._plan(torch.device("cpu"), False, 64)
+    assert plan.fprop.a.sr_seed == mix_seeds(6, layer.layer_id, 3, 0, 0)

@@ -239,7 +239,7 @@ class AdaHOPLinear(nn.Linear):
         self.patterns: dict | None = None
         self.modes: dict | None = None if config.adaptive else config.fixed_modes()
         self._oe_clamp_warned = False
-        self._seed_prefix = None  # mix_seeds(config.seed, layer_id), hashed on first use
+        self._seed_prefix = None  # ((seed, layer_id), mix_seeds of them, signs seeds), on first use
         self._register_load_state_dict_pre_hook(self._fill_missing_extra_state, with_module=False)
 
     @classmethod
@@ -293,15 +293,17 @@ class AdaHOPLinear(nn.Linear):
             self.calls += 1
         # SR seeds = mix_seeds(seed, layer_id, call, gemm, operand); signs seeds = mix_seeds(seed,
         # layer_id, gemm, 2), fixed per layer and GEMM. The chain's fixed prefix is hashed once.
-        if self._seed_prefix is None:
-            self._seed_prefix = mix_seeds(self.config.seed, self.layer_id)
-            self._signs_seeds = {g: mix_seeds_from(self._seed_prefix, GEMM_INDEX[g], 2) for g in GEMMS}
-        call_state = mix_seeds_from(self._seed_prefix, call)
+        key = (self.config.seed, self.layer_id)
+        if self._seed_prefix is None or self._seed_prefix[0] != key:
+            prefix = mix_seeds(*key)
+            self._seed_prefix = (key, prefix, {g: mix_seeds_from(prefix, GEMM_INDEX[g], 2) for g in GEMMS})
+        _, prefix, signs_seeds = self._seed_prefix
+        call_state = mix_seeds_from(prefix, call)
         plans = {}
         for gemm in GEMMS:
             gi = GEMM_INDEX[gemm]
             sr = (mix_seeds_from(call_state, gi, 0), mix_seeds_from(call_state, gi, 1))
-            plans[gemm] = make_gemm_plan(modes[gemm], self.config.gemm(gemm), sr_seeds=sr, signs_seed=self._signs_seeds[gemm])
+            plans[gemm] = make_gemm_plan(modes[gemm], self.config.gemm(gemm), sr_seeds=sr, signs_seed=signs_seeds[gemm])
         self._warn_oe_clamp(modes, tokens)
         return LayerPlan(
             plans["fprop"], plans["dgrad"], plans["wgrad"],

@@ -3,8 +3,9 @@
 The operand is a logical ``[R, K]`` view of a 2-D tensor: R = the outer dim, K = the contraction
 dim, given by strides, so one kernel quantizes ``x_TK`` along K (strides (K, 1)) and along T
 (the view ``x.t()``, strides (1, K)) without a transpose copy. Each program owns ``BLOCK_R`` rows
-and walks K in chunks of ``BLOCK_K``; per chunk it loads, signs, transforms, takes block maxima,
-and rounds, exactly as the reference (``kernels.mxfp4_math``). Outputs (all row-major, K padded
+and a range of K (all of it, unless the operand has too few rows to fill the GPU: then K is
+split over several programs), walked in chunks of ``BLOCK_K``; per chunk it loads, signs,
+transforms, takes block maxima, and rounds, exactly as the reference (``kernels.mxfp4_math``). Outputs (all row-major, K padded
 to ``KP``, a multiple of max(32, Hadamard size)):
 
 * packed codes ``[R, KP/2]`` uint8 and scale bytes ``[R, KP/32]`` uint8: ``MXFP4Tensor``'s layout,
@@ -18,8 +19,9 @@ to ``KP``, a multiple of max(32, Hadamard size)):
   row's squared L2 norm): what outlier extraction ranks its top-k slices by.
 
 The e4m3 form needs each row's largest block exponent before it writes the first element, so it
-takes two passes over K: the first computes exponents (and writes the scale bytes), the second
-recomputes the chunk (its reload mostly hits L2) and writes the elements.
+takes two passes over K: the first computes exponents, the second recomputes the chunk and
+writes the elements (with K split, the first pass is a launch of its own that writes each range's
+partial maximum).
 """
 
 from __future__ import annotations
