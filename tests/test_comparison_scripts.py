@@ -1,0 +1,68 @@
+"""The comparison scripts of benchmarks/ run end to end on the CPU at a tiny size: the recipe
+comparison (serially and as one process per "GPU") and the ablation with seed-paired gaps."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from adahop.train import data as D
+from adahop.train import sources as S
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    out = tmp_path_factory.mktemp("corpus")
+    src = S.cpython_stdlib_source(modules=("json", "textwrap", "string"), name="stdlib-mini")
+    D.build_corpus(out, sources=[src], tokenizer="byte", progress=False)
+    return out
+
+
+def test_train_compare_serial_and_parallel(corpus, tmp_path, capsys):
+    tc = load("train_compare")
+    common = ["--corpus", str(corpus), "--preset", "debug", "--steps", "3", "--tasks"]
+    assert tc.main([*common, "--out", str(tmp_path / "a"), "--recipes", "bf16", "mxfp4"]) == 0
+    table = (tmp_path / "a" / "comparison.md").read_text()
+    assert "| bf16 | 3 |" in table and "| mxfp4 | 3 |" in table
+    assert (tmp_path / "a" / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
+
+    # two worker processes (one per GPU on a GPU machine), then one report over both
+    assert tc.main([*common, "--out", str(tmp_path / "b"), "--recipes", "bf16", "adahop_lv2", "--gpus", "2"]) == 0
+    assert (tmp_path / "b" / "worker0.log").exists() and (tmp_path / "b" / "worker1.log").exists()
+    table = (tmp_path / "b" / "comparison.md").read_text()
+    assert "| bf16 | 3 |" in table and "| adahop_lv2 | 3 |" in table
+
+    # a run of another length is not comparable: the report refuses it
+    assert tc.main(["--corpus", str(corpus), "--preset", "debug", "--steps", "4", "--tasks",
+                    "--out", str(tmp_path / "b"), "--recipes", "mxfp4"]) == 0
+    capsys.readouterr()
+    assert tc.main(["--corpus", str(corpus), "--out", str(tmp_path / "b"), "--recipes", "bf16", "mxfp4", "--report-only"]) == 2
+    assert "not comparable" in capsys.readouterr().err
+
+
+def test_ablation_pairs_gaps_by_seed(corpus, tmp_path):
+    ab = load("ablation")
+    out = tmp_path / "abl"
+    assert ab.main(["--corpus", str(corpus), "--out", str(out), "--preset", "debug", "--steps", "3",
+                    "--variants", "bf16", "lv2_fprop_bf16", "--seeds", "0", "1"]) == 0
+    runs = {(r["variant"], r["seed"]): r["heldout_loss"] for r in
+            (json.loads(p.read_text()) for p in out.glob("*/ablation.json"))}
+    assert len(runs) == 4
+    modes = json.loads((out / "lv2_fprop_bf16-s0" / "modes.json").read_text())
+    assert all(m["fprop"] == "bf16" for m in modes.values())  # the variant's override took effect
+    table = (out / "ablation.md").read_text()
+    gap0 = runs["lv2_fprop_bf16", 0] - runs["bf16", 0]
+    gap1 = runs["lv2_fprop_bf16", 1] - runs["bf16", 1]
+    assert f"{(gap0 + gap1) / 2:+.4f}" in table and f"s0: {gap0:+.4f}" in table
