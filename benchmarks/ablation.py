@@ -58,6 +58,8 @@ VARIANTS = {
     "lv2_rceil": lambda: _lv2_settings(scale_mode="rceil"),  # scales that never clip
     "lv2_floor": lambda: _lv2_settings(scale_mode="floor"),  # the OCP MX scale (clips up to 1.75x)
     "lv2_grad_rne_rceil": lambda: _lv2_grad_rne(scale_mode="rceil"),
+    "lv2_h128": lambda: _lv2_settings(hadamard_size=128),  # a wider Hadamard in every GEMM
+    "lv2_signs": lambda: _lv2_settings(random_signs=True),  # random-sign Hadamard (Tseng et al.)
 }
 
 
