@@ -60,6 +60,7 @@ VARIANTS = {
     "lv2_grad_rne_rceil": lambda: _lv2_grad_rne(scale_mode="rceil"),
     "lv2_h128": lambda: _lv2_settings(hadamard_size=128),  # a wider Hadamard in every GEMM
     "lv2_signs": lambda: _lv2_settings(random_signs=True),  # random-sign Hadamard (Tseng et al.)
+    "lv2_signs_grad_rne": lambda: _lv2_grad_rne(random_signs=True),
 }
 
 

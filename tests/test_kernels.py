@@ -224,7 +224,6 @@ def _both_encoders(a_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + 5 * n + offs, (v_sr == e2m1_value(c_sr)).to(tl.int32), mask=m)
 
 
-
 def test_arithmetic_encoders_on_every_boundary():
     """Encoder level: the arithmetic encoders against the compare chains on the grid points,
     the midpoints, one float32 step either side of each, and random magnitudes; SR with u
