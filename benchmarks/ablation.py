@@ -6,7 +6,8 @@ mode) and compare held-out losses with bf16 and naive mxfp4, several seeds each.
         --variants bf16 lv2 lv2_fwd_bf16 --seeds 0 1
     python benchmarks/ablation.py --corpus runs/corpus --out runs/ablation --report
 
-Each (variant, seed) is one training run in ``<out>/<variant>-s<seed>`` (resumable); ``--report``
+On a GPU machine use a GPU preset (``--preset h200``, with ``--threads 0``); the runs of one
+call are sequential. Each (variant, seed) is one training run in ``<out>/<variant>-s<seed>`` (resumable); ``--report``
 writes ``ablation.md`` over every finished run: each variant's held-out gap to bf16, paired by
 seed, per seed and averaged.
 """
