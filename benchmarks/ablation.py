@@ -3,13 +3,13 @@ adahop_lv2 that each change one thing (a GEMM kept in BF16, the gradient roundin
 mode) and compare held-out losses with bf16 and naive mxfp4, several seeds each.
 
     python benchmarks/ablation.py --corpus runs/corpus --out runs/ablation --preset cpu \\
-        --variants bf16 lv2 lv2_fwd_bf16 --seeds 0 1
+        --variants bf16 lv2 lv2_fprop_bf16 --seeds 0 1
     python benchmarks/ablation.py --corpus runs/corpus --out runs/ablation --report
 
 On a GPU machine use a GPU preset (``--preset h200``, with ``--threads 0``); the runs of one
-call are sequential. Each (variant, seed) is one training run in ``<out>/<variant>-s<seed>`` (resumable); ``--report``
-writes ``ablation.md`` over every finished run: each variant's held-out gap to bf16, paired by
-seed, per seed and averaged.
+call are sequential. Each (variant, seed) is one training run in ``<out>/<variant>-s<seed>``
+(resumable); ``--report`` writes ``ablation.md`` over every finished run: each variant's
+held-out gap to bf16, paired by seed, per seed and averaged.
 """
 
 from __future__ import annotations
