@@ -68,3 +68,9 @@ def test_steady_tokens_per_s_skips_calibration_warmup_and_eval_steps():
     records[12]["tok_per_s"] = 1.0  # a step that also evaluated
     assert cli.steady_tokens_per_s(records, calibration_steps=5) == 108.0
     assert cli.steady_tokens_per_s([], 0) is None
+
+
+def test_steady_tokens_per_s_counts_steps_not_records():
+    # log_every = 5: records at steps 5, 10, ..., 100; calibration 30 steps -> steps 35.. count
+    records = [{"step": s, "tok_per_s": 1.0 if s <= 30 else float(s)} for s in range(5, 101, 5)]
+    assert cli.steady_tokens_per_s(records, calibration_steps=30) == 70.0

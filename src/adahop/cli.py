@@ -129,8 +129,8 @@ def steady_tokens_per_s(records: list[dict], calibration_steps: int = 0) -> floa
     (compilation, warm-up), leaving out steps that also ran an evaluation."""
     if not records:
         return None
-    skip = max(calibration_steps, len(records) // 10)
-    rates = sorted(r["tok_per_s"] for r in records[skip:] if "tok_per_s" in r and "eval" not in r)
+    skip = max(calibration_steps, records[-1]["step"] // 10)  # by step number: any log_every
+    rates = sorted(r["tok_per_s"] for r in records if r["step"] > skip and "tok_per_s" in r and "eval" not in r)
     return rates[len(rates) // 2] if rates else None
 
 
