@@ -275,3 +275,15 @@ def test_auto_k_splits(monkeypatch):
     assert quantize.auto_k_splits(24, 8, cuda) == 8  # at most one range per chunk
     assert quantize.auto_k_splits(1024, 128, cuda) == 1  # the rows alone fill the GPU
     assert quantize.auto_k_splits(0, 128, cuda) == 1
+
+
+@pytest.mark.parametrize("shape,dim", [((5, 0), 1), ((0, 64), 1), ((0, 64), 0), ((5, 0), 0)])
+def test_empty_operands(shape, dim):
+    """An empty operand quantizes to empty outputs; a row with no elements (K = 0) has no blocks,
+    so its largest block exponent is the E8M0 minimum and its row scale 2**(-127 - 6)."""
+    x = torch.zeros(shape, device=DEVICE)
+    out = quantize_operand_triton(x, dim, e4m3=True, hadamard_size=32)
+    R, K = shape[1 - dim], shape[dim]
+    assert out["e4m3"].shape == (R, 32 if K else 0) and out["row_scale"].shape == (R,)
+    assert torch.equal(out["row_scale"].cpu(), torch.full((R,), 2.0**-133))
+    assert out["mx"].codes.shape[0] == R

@@ -97,17 +97,18 @@ def e2m1_codes_rne(a):
 @triton.jit
 def e2m1_rne_arith(a):
     """Round |v| in [0, 6] to the E2M1 grid arithmetically: (magnitude code, rounded value).
-    The grid spacing is s = 0.5, 1, 2 below 2, 4, 6; k = rint(a / s) with round-half-even done by
-    adding and subtracting 2**23 (exact IEEE arithmetic, no libdevice: it runs in the
-    interpreter); value = k * s; code = k, k + 2, k + 4. The same codes as ``e2m1_codes_rne``
-    (checked on 2M points and every tie), in fewer instructions and without the value lookup."""
+    The grid spacing is s = 0.5, 1, 2 below 2, 4, 6, and (a + C) - C with C = 2**22, 2**23,
+    2**24 (the floats whose ulp is s) rounds a to a multiple of s, ties to the even multiple:
+    two exact IEEE additions (no libdevice: it runs in the interpreter). The code follows from
+    the value (0..2 by halves: 2v; 2, 3, 4: v + 2; 4, 6: v / 2 + 4). The same codes as
+    ``e2m1_codes_rne`` (checked on every boundary and its float32 neighbours), in fewer
+    instructions and without the value lookup."""
     small = a < 2.0
     mid = a < 4.0
-    inv_s = tl.where(small, 2.0, tl.where(mid, 1.0, 0.5))  # powers of two: a * inv_s is exact
-    k = (a * inv_s + 8388608.0) - 8388608.0
-    value = k * tl.where(small, 0.5, tl.where(mid, 1.0, 2.0))
-    kc = k.to(tl.int32)
-    return tl.where(small, kc, tl.where(mid, kc + 2, kc + 4)), value
+    c = tl.where(small, 4194304.0, tl.where(mid, 8388608.0, 16777216.0))
+    value = (a + c) - c
+    code = tl.where(small, value * 2.0, tl.where(mid, value + 2.0, value * 0.5 + 4.0))
+    return code.to(tl.int32), value
 
 
 @triton.jit

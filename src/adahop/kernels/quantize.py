@@ -19,9 +19,9 @@ to ``KP``, a multiple of max(32, Hadamard size)):
   row's squared L2 norm): what outlier extraction ranks its top-k slices by.
 
 The e4m3 form needs each row's largest block exponent before it writes the first element, so it
-takes two passes over K: the first computes exponents, the second recomputes the chunk and
-writes the elements (with K split, the first pass is a launch of its own that writes each range's
-partial maximum).
+takes two passes over K, in two launches: the first (PHASE 1) writes each K range's largest
+block exponent, the second (PHASE 2) recomputes the chunk and writes the elements. A row that
+fits one chunk (``single_chunk_max``) is read once, in one launch.
 """
 
 from __future__ import annotations
@@ -100,12 +100,13 @@ def _emit_chunk(
         sbyte = tl.where(finite, e + 127, 255).to(tl.uint8)
         tl.store(scales_ptr + rows[:, None].to(tl.int64) * (KP // 32) + bidx[None, :], sbyte, mask=smask)
 
-    # Scale by 2**-e (a normal float32 for e in [-127, 126]), clamp, round.
+    # Scale by 2**-e (a normal float32 for e in [-127, 126]), clamp |v| to 6, round. Non-finite
+    # blocks: zero codes in the packed form; the e4m3 form overwrites them with NaN below.
     xb = tl.reshape(x, (BLOCK_R, NB, 32))
     v = xb * pow2(-e)[:, :, None]
-    v = tl.where(finite[:, :, None], v, 0.0)
-    v = tl.minimum(tl.maximum(v, -6.0), 6.0)
-    a = tl.abs(v)
+    if WRITE_PACKED:
+        v = tl.where(finite[:, :, None], v, 0.0)
+    a = tl.minimum(tl.abs(v), 6.0)
     if SR:
         cols = k0 + tl.arange(0, BLOCK_K)
         ctr = (rows[:, None].to(tl.int64) * KP + cols[None, :]).to(tl.uint32)
@@ -119,9 +120,9 @@ def _emit_chunk(
         c, mag = e2m1_rne_arith(a)
     else:
         c = e2m1_codes_rne(a)
-    sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+    vbits = v.to(tl.int32, bitcast=True)
     if WRITE_PACKED:
-        code = tl.reshape(c | (sign << 3), (BLOCK_R, BLOCK_K // 2, 2))
+        code = tl.reshape(c | ((vbits >> 28) & 8), (BLOCK_R, BLOCK_K // 2, 2))  # sign -> bit 3
         lo, hi = tl.split(code)
         packed = (lo | (hi << 4)).to(tl.uint8)
         pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -133,7 +134,8 @@ def _emit_chunk(
             val = mag * pow2(shift)[:, :, None]
         else:
             val = e2m1_value(c) * pow2(shift)[:, :, None]
-        val = tl.where(sign == 1, -val, val)
+        # v's sign bit (a zero keeps it: -0 gives the e4m3 byte 0x80, as the reference)
+        val = (val.to(tl.int32, bitcast=True) | (vbits & -2147483648)).to(tl.float32, bitcast=True)
         cols = k0 + tl.arange(0, BLOCK_K)
         eoffs = rows[:, None].to(tl.int64) * KP + cols[None, :]
         emask = row_ok[:, None] & (cols[None, :] < KP)
@@ -153,6 +155,29 @@ def _emit_chunk(
 
 
 @triton.jit
+def _store_row_exponent(epart_ptr, e_rowmax, e, rows, row_ok, last, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Store each row's largest block exponent (biased, as a uint8 like an E8M0 byte) as the 16
+    bytes ``epart[row, 0:16]``, written only when ``last``.
+
+    Why 16 copies through a full tile: Triton gives a tile the layout of the stores it flows
+    into. A per-row value stored as such pulls the whole chunk (the Hadamard butterfly
+    included) into one element per lane, which costs ~220 warp shuffles per chunk; routed back
+    through the ``[BLOCK_R, BLOCK_K / 32, 32]`` block tile and stored as 16 contiguous bytes, it
+    keeps the layout of the emit pass (a block over two lanes): 1,256 -> 544 SASS instructions
+    for the first pass (benchmarks/results/hopper_h200.md, runs 17-18)."""
+    NB: tl.constexpr = BLOCK_K // 32
+    t = tl.broadcast_to((e_rowmax[:, None] + 127 + 0 * e)[:, :, None], (BLOCK_R, NB, 32))
+    t = tl.reshape(t, (BLOCK_R, BLOCK_K)).to(tl.uint8)
+    cols = tl.arange(0, BLOCK_K)
+    tl.store(epart_ptr + rows[:, None].to(tl.int64) * 16 + cols[None, :], t, mask=row_ok[:, None] & (cols[None, :] < 16) & last)
+
+
+@triton.jit
+def _load_row_exponent(epart_ptr, rows, row_ok):
+    return tl.load(epart_ptr + rows.to(tl.int64) * 16, mask=row_ok, other=0).to(tl.int32) - 127
+
+
+@triton.jit
 def _mxfp4_quantize_kernel(
     x_ptr, stride_r, stride_k,
     codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, rowscale_ptr, sumsq_ptr, epart_ptr,
@@ -164,9 +189,10 @@ def _mxfp4_quantize_kernel(
     PHASE: tl.constexpr,
 ):
     """Program (i, s) owns rows [i * BLOCK_R, (i + 1) * BLOCK_R) and the K range
-    [s * SPLIT_K, (s + 1) * SPLIT_K) (SPLIT_K = KP: one range per row). PHASE 0 does everything;
-    for a split e4m3 operand, PHASE 1 writes each range's largest block exponent to ``epart``
-    [n_splits, R] and PHASE 2 reads them back and emits."""
+    [s * SPLIT_K, (s + 1) * SPLIT_K) (SPLIT_K = KP: one range per row). PHASE 0 does everything
+    (one chunk per row, or no e4m3 form); for the e4m3 form over several chunks, PHASE 1 writes
+    each range's largest block exponent to ``epart`` [n_splits, R, 16] (uint8, biased) and
+    PHASE 2 takes the row maximum of those and emits."""
     pid = tl.program_id(0)
     sid = tl.program_id(1)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -189,20 +215,13 @@ def _mxfp4_quantize_kernel(
             x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE)
             e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
             e_part = tl.maximum(e_part, tl.max(tl.where(finite, e, -127), axis=1))
-        tl.store(epart_ptr + sid * R + rows, e_part, mask=row_ok)
+            _store_row_exponent(epart_ptr + sid * R * 16, e_part, e, rows, row_ok, k0 + BLOCK_K >= k_hi, BLOCK_R, BLOCK_K)
     else:
-        # The e4m3 form needs each row's largest block exponent first: from PHASE 1's partial
-        # maxima, or (one range per row) from a first pass over the row.
         e_rowmax = tl.full((BLOCK_R,), -127, tl.int32)
         if WRITE_E4M3:
-            if PHASE == 2:
+            if PHASE == 2:  # the row maximum of PHASE 1's partial maxima (PHASE 0: K = 0, no blocks)
                 for sp in range(0, n_splits):
-                    e_rowmax = tl.maximum(e_rowmax, tl.load(epart_ptr + sp * R + rows, mask=row_ok, other=-127))
-            else:
-                for k0 in range(k_lo, k_hi, BLOCK_K):
-                    x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE)
-                    e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
-                    e_rowmax = tl.maximum(e_rowmax, tl.max(tl.where(finite, e, -127), axis=1))
+                    e_rowmax = tl.maximum(e_rowmax, _load_row_exponent(epart_ptr + sp * R * 16, rows, row_ok))
             tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok & (sid == 0))
         sumsq = tl.zeros((BLOCK_R,), tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -324,8 +343,8 @@ def quantize_operand_triton(
     e4 = torch.empty((R, KP), dtype=torch.float8_e4m3fn, device=dev) if e4m3 else None
     rs = torch.empty((R,), dtype=torch.float32, device=dev) if e4m3 else None
     ss = torch.empty((k_splits, R), dtype=torch.float32, device=dev) if sumsq else None
-    two_phase = e4m3 and k_splits > 1
-    epart = torch.empty((k_splits, R), dtype=torch.int32, device=dev) if two_phase else None
+    two_phase = e4m3 and not single and KP > 0  # the row maximum first (PHASE 1), then the emit (PHASE 2)
+    epart = torch.empty((k_splits, R, 16), dtype=torch.uint8, device=dev) if two_phase else None
     dummy = torch.empty((1,), dtype=torch.uint8, device=dev)
     grid = (row_programs, k_splits)
     args = (

@@ -43,7 +43,7 @@ def _mxfp4_unpack_kernel(
         code = tl.reshape(tl.join(p & 0xF, p >> 4), (BLOCK_R, NB, 32))
         shift = tl.maximum(sb - 127 - e_rowmax[:, None] + 6, -126)
         val = e2m1_value(code & 7) * pow2(shift)[:, :, None]
-        val = tl.where((code >> 3) == 1, -val, val)
+        val = (val.to(tl.int32, bitcast=True) | ((code >> 3) << 31)).to(tl.float32, bitcast=True)  # code 8: -0
         val = tl.reshape(val, (BLOCK_R, BLOCK_K)).to(tl.float8e4nv)
         fin = tl.reshape(tl.broadcast_to((sb != 255)[:, :, None], (BLOCK_R, NB, 32)), (BLOCK_R, BLOCK_K))
         cols = k0 + tl.arange(0, BLOCK_K)
