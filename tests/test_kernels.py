@@ -287,3 +287,20 @@ def test_empty_operands(shape, dim):
     assert out["e4m3"].shape == (R, -(-K // 32) * 32) and out["row_scale"].shape == (R,)
     assert torch.equal(out["row_scale"].cpu(), torch.full((R,), 2.0**-133))
     assert out["mx"].codes.shape[0] == R
+
+
+@pytest.mark.parametrize("block_k", [32, 64, 256])
+def test_unpack_over_several_chunks(block_k):
+    """The unpack grid's chunks (2-D grid) and the separate row-exponent pass give the direct
+    e4m3 bytes, NaN blocks (0x7F), a zero row and a row of tiny blocks far below its largest included."""
+    x = make((40, 300), seed=17)  # KP = 320: several chunks for block_k 32 and 64, a partial one for 256
+    x[2, 5] = float("nan")
+    x[3, 100] = float("inf")
+    x[4] = 0.0
+    x[5, :32] *= 1e6  # the rest of row 5 sits ~20 binades below: rounded by the fold
+    direct = quantize_operand_triton(x, 1, e4m3=True, hadamard_size=32)
+    e4, rs = unpack_to_e4m3(direct["mx"], block_k=block_k)
+    assert torch.equal(e4.view(torch.uint8), direct["e4m3"].view(torch.uint8))
+    assert torch.equal(rs, direct["row_scale"])
+    with pytest.raises(ValueError, match="block_k"):
+        unpack_to_e4m3(direct["mx"], block_k=48)
