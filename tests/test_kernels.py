@@ -302,5 +302,8 @@ def test_unpack_over_several_chunks(block_k):
     e4, rs = unpack_to_e4m3(direct["mx"], block_k=block_k)
     assert torch.equal(e4.view(torch.uint8), direct["e4m3"].view(torch.uint8))
     assert torch.equal(rs, direct["row_scale"])
-    with pytest.raises(ValueError, match="block_k"):
-        unpack_to_e4m3(direct["mx"], block_k=48)
+    for bad in (48, 96, 16):
+        with pytest.raises(ValueError, match="block_k"):
+            unpack_to_e4m3(direct["mx"], block_k=bad)
+    with pytest.raises(ValueError, match="block_r"):
+        unpack_to_e4m3(direct["mx"], block_r=12)

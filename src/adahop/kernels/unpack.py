@@ -79,8 +79,9 @@ def unpack_to_e4m3(q: MXFP4Tensor, *, block_r: int = 16, block_k: int = 256, num
     """(e4m3 [R, KP], row_scale [R]) of a 2-D-layout MXFP4Tensor (quantization dim last)."""
     if q.block_size != 32 or q.codes.dim() != 2:
         raise ValueError("unpack_to_e4m3 takes a 2-D MXFP4Tensor with blocks of 32")
-    if block_k % 32 or block_k < 32:
-        raise ValueError(f"block_k must be a multiple of 32, got {block_k}")
+    for name, v, lo in (("block_r", block_r, 1), ("block_k", block_k, 32)):
+        if v < lo or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= {lo}, got {v}")
     R, KP = q.codes.shape[0], q.padded_size
     dev = q.codes.device
     e4 = torch.empty((R, KP), dtype=torch.float8_e4m3fn, device=dev)
