@@ -151,9 +151,11 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
         ctx.wgrad_x_q = None
         ctx.wgrad_cols = False
         saved = [weight]
-        if plan.needs_backward and not wg.quantized:
+        if not plan.needs_backward:
+            pass
+        elif not wg.quantized:
             saved.append(x_TK)
-        elif plan.needs_backward:
+        else:
             cols_idx = None
             if wg.mode == "iht+oe_right":  # OE on B = x's columns (input features)
                 cols_idx = topk_outer(x_TK, 1, wg.oe_k)

@@ -218,10 +218,9 @@ def _mxfp4_quantize_kernel(
             _store_row_exponent(epart_ptr + sid * R * 16, e_part, e, rows, row_ok, k0 + BLOCK_K >= k_hi, BLOCK_R, BLOCK_K)
     else:
         e_rowmax = tl.full((BLOCK_R,), -127, tl.int32)
-        if WRITE_E4M3:
-            if PHASE == 2:  # the row maximum of PHASE 1's partial maxima (PHASE 0: K = 0, no blocks)
-                for sp in range(0, n_splits):
-                    e_rowmax = tl.maximum(e_rowmax, _load_row_exponent(epart_ptr + sp * R * 16, rows, row_ok))
+        if WRITE_E4M3:  # (then PHASE 2) the row maximum of PHASE 1's partial maxima
+            for sp in range(0, n_splits):
+                e_rowmax = tl.maximum(e_rowmax, _load_row_exponent(epart_ptr + sp * R * 16, rows, row_ok))
             tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok & (sid == 0))
         sumsq = tl.zeros((BLOCK_R,), tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -343,7 +342,7 @@ def quantize_operand_triton(
     e4 = torch.empty((R, KP), dtype=torch.float8_e4m3fn, device=dev) if e4m3 else None
     rs = torch.empty((R,), dtype=torch.float32, device=dev) if e4m3 else None
     ss = torch.empty((k_splits, R), dtype=torch.float32, device=dev) if sumsq else None
-    two_phase = e4m3 and not single and KP > 0  # the row maximum first (PHASE 1), then the emit (PHASE 2)
+    two_phase = e4m3 and not single  # the row maximum first (PHASE 1), then the emit (PHASE 2)
     epart = torch.empty((k_splits, R, 16), dtype=torch.uint8, device=dev) if two_phase else None
     dummy = torch.empty((1,), dtype=torch.uint8, device=dev)
     grid = (row_programs, k_splits)
@@ -365,9 +364,15 @@ def quantize_operand_triton(
         FWHT_INPLACE=fwht_inplace, ARITH_E2M1=arith_e2m1,
         num_warps=num_warps,
     )
-    if two_phase:
-        _mxfp4_quantize_kernel[grid](*args, PHASE=1, **meta)
-    _mxfp4_quantize_kernel[grid](*args, PHASE=2 if two_phase else 0, **meta)
+    if KP == 0:  # no blocks, nothing to launch: an empty row's largest exponent is -127
+        if e4m3:
+            rs.fill_(2.0**-133)
+        if sumsq:
+            ss.zero_()
+    else:
+        if two_phase:
+            _mxfp4_quantize_kernel[grid](*args, PHASE=1, **meta)
+        _mxfp4_quantize_kernel[grid](*args, PHASE=2 if two_phase else 0, **meta)
     if sumsq and k_splits > 1:
         ss = ss.sum(0, keepdim=True)
     out = {}
