@@ -17,7 +17,7 @@ from adahop.formats.mxfp4 import (
     quantize_mxfp4,
     unpack_codes,
 )
-from adahop.formats.rng import uniform_from_counter
+from adahop.formats.rng import sr_bits
 
 MODES = ("floor", "even", "ceil", "rceil")
 GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # written out, not imported
@@ -577,19 +577,21 @@ def test_sr_rounds_to_a_neighbour_only(mode):
         assert (np.sign(got) * np.sign(v) >= 0).all()
 
 
-def test_sr_decision_follows_documented_counter_uniform():
-    """Round up iff u < (|v| - lo) / (hi - lo), u = uniform_from_counter(flat index, seed)."""
+def test_sr_decision_follows_documented_counter_bits():
+    """|v| / s to 16 fractional bits (ties to even) plus the element's 16 random bits, floored:
+    s = the grid spacing, bits = sr_bits(flat index, seed) (the module doc's definition)."""
     gen = torch.Generator().manual_seed(32)
     x = torch.randn(5, 70, 3, generator=gen) * 3  # quantized along dim 1 (padded to 96)
+    x[0, :8, 0] = torch.tensor([1.75, 1.75 + 2**-18, 0.5 + 3 * 2**-18, 2.5, 5.0, 6.0, 3.999999, 0.0]) * 64
     seed = 987654321
     q = quantize_mxfp4(x, dim=1, rounding="sr", seed=seed, scale_mode="rceil")
     xl = torch.nn.functional.pad(x.movedim(1, -1), (0, 26))  # [5, 3, 96]
     e = q.scale_e8m0.to(torch.float64) - 127
-    v = (xl.double() / torch.exp2(e).repeat_interleave(32, -1)).numpy()
-    lo, hi = _neighbours(v)
-    frac = np.where(hi > lo, (np.abs(v) - lo) / np.where(hi > lo, hi - lo, 1), 0)
-    u = uniform_from_counter(torch.arange(5 * 3 * 96).reshape(5, 3, 96), seed).double().numpy()
-    mag = np.where(u < frac, hi, lo)
+    v = np.abs(xl.double().numpy() / torch.exp2(e).repeat_interleave(32, -1).numpy())
+    s = np.where(v < 2, 0.5, np.where(v < 4, 1.0, 2.0))
+    fixed = np.round(v / s * 2**16).astype(np.int64)  # numpy rounds half to even
+    bits = sr_bits(torch.arange(5 * 3 * 96).reshape(5, 3, 96), seed).numpy()
+    mag = ((fixed + bits) >> 16) * s
     got = dequantize_mxfp4(q, keep_padding=True).double().numpy() / torch.exp2(e).repeat_interleave(32, -1).numpy()
     np.testing.assert_array_equal(np.abs(got), mag)
 

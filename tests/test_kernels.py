@@ -15,11 +15,11 @@ from adahop.formats.mxfp4 import dequantize_mxfp4  # noqa: E402
 from adahop.kernels.quantize import quantize_operand_triton  # noqa: E402
 from adahop.kernels.mxfp4_math import (  # noqa: E402
     e2m1_codes_rne,
-    e2m1_codes_sr,
     e2m1_rne_arith,
-    e2m1_sr_arith,
+    e2m1_sr,
     e2m1_value,
 )
+from adahop.formats.mxfp4 import _round_sr  # noqa: E402
 from adahop.kernels.unpack import unpack_to_e4m3  # noqa: E402
 from adahop.ops import OperandSpec, quantize_operand  # noqa: E402
 from adahop.ops.backends import get_backend, unavailable_reason  # noqa: E402
@@ -209,37 +209,37 @@ def test_arithmetic_encoder_equals_compare_chains(dim, h, mode, rounding):
 
 
 @triton.jit
-def _both_encoders(a_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _both_encoders(a_ptr, bits_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     a = tl.load(a_ptr + offs, mask=m, other=0.0)
-    u = tl.load(u_ptr + offs, mask=m, other=0.0)
+    bits = tl.load(bits_ptr + offs, mask=m, other=0)
     c_rne, v_rne = e2m1_rne_arith(a)
-    c_sr, v_sr = e2m1_sr_arith(a, u)
+    c_sr, v_sr = e2m1_sr(a, bits)
     tl.store(out_ptr + offs, c_rne, mask=m)
     tl.store(out_ptr + n + offs, e2m1_codes_rne(a), mask=m)
     tl.store(out_ptr + 2 * n + offs, c_sr, mask=m)
-    tl.store(out_ptr + 3 * n + offs, e2m1_codes_sr(a, u), mask=m)
     tl.store(out_ptr + 4 * n + offs, (v_rne == e2m1_value(c_rne)).to(tl.int32), mask=m)
     tl.store(out_ptr + 5 * n + offs, (v_sr == e2m1_value(c_sr)).to(tl.int32), mask=m)
 
 
 def test_arithmetic_encoders_on_every_boundary():
-    """Encoder level: the arithmetic encoders against the compare chains on the grid points,
-    the midpoints, one float32 step either side of each, and random magnitudes; SR with u
-    around each fraction."""
+    """Encoder level: the arithmetic RNE encoder against the compare chain, and the SR encoder
+    against the reference's ``_round_sr``, on the grid points, the midpoints, one float32 step
+    either side of each, values one 2**-17 step around a 16-bit fraction, and random
+    magnitudes; SR with the extreme and the middle random bits."""
     grid_pts = torch.tensor([0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6], dtype=torch.float32)
-    special = torch.cat([grid_pts, torch.nextafter(grid_pts, torch.tensor(7.0)), torch.nextafter(grid_pts, torch.tensor(-1.0)).clamp(min=0)])
+    near = torch.tensor([0.5 + 3 * 2**-18, 0.5 + 2**-18, 1.75 - 2**-17, 2.5 + 2**-16, 4.0 - 2**-16, 5.0 + 2**-15])
+    special = torch.cat([grid_pts, near, torch.nextafter(grid_pts, torch.tensor(7.0)), torch.nextafter(grid_pts, torch.tensor(-1.0)).clamp(min=0)])
     gen = torch.Generator().manual_seed(0)
     a = torch.cat([special.repeat(8), torch.rand(4096 - 8 * special.numel(), generator=gen) * 6]).clamp(max=6.0)
-    u = torch.rand(a.numel(), generator=gen)
-    u[: 8 * special.numel()] = torch.tensor([0.0, 0.25, 0.5, 0.75, 1 - 2**-24, 2**-24, 0.125, 0.999]).repeat_interleave(special.numel())
-    a, u = a.to(DEVICE), u.to(DEVICE)
+    bits = torch.randint(0, 2**16, (a.numel(),), generator=gen, dtype=torch.int32)
+    bits[: 8 * special.numel()] = torch.tensor([0, 1, 2**15 - 1, 2**15, 2**15 + 1, 2**16 - 2, 2**16 - 1, 12345], dtype=torch.int32).repeat_interleave(special.numel())
     out = torch.empty(6 * a.numel(), dtype=torch.int32, device=DEVICE)
-    _both_encoders[(triton.cdiv(a.numel(), 1024),)](a, u, out, a.numel(), BLOCK=1024)
+    _both_encoders[(triton.cdiv(a.numel(), 1024),)](a.to(DEVICE), bits.to(DEVICE), out, a.numel(), BLOCK=1024)
     out = out.view(6, -1).cpu()
     assert torch.equal(out[0], out[1])
-    assert torch.equal(out[2], out[3])
+    assert torch.equal(out[2], _round_sr(a, bits.to(torch.int64)).to(torch.int32))
     assert bool(out[4].all()) and bool(out[5].all())
 
 

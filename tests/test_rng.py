@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from adahop.formats.rng import check_seed, lowbias32, mix_seeds, uniform_from_counter
+from adahop.formats.rng import check_seed, lowbias32, mix_seeds, sr_bits
 
 M32 = 2**32 - 1
 
@@ -25,10 +25,11 @@ def ref_lowbias32(x: int) -> int:
     return x
 
 
-def ref_uniform(counter: int, seed: int) -> float:
-    key = ref_lowbias32(seed ^ ref_lowbias32(counter >> 32))
-    r = ref_lowbias32((counter & M32) ^ key)
-    return (r >> 8) / 2**24
+def ref_sr_bits(counter: int, seed: int) -> int:
+    pair = counter >> 1
+    key = ref_lowbias32(seed ^ ref_lowbias32(pair >> 32))
+    r = ref_lowbias32((pair & M32) ^ key)
+    return (r >> 16) if counter & 1 else (r & 0xFFFF)
 
 
 def test_lowbias32_known_structure():
@@ -56,35 +57,40 @@ def test_lowbias32_is_injective_on_a_sample():
     assert torch.unique(lowbias32(x)).numel() == x.numel()
 
 
-def test_uniform_matches_pure_python_reference():
+def test_sr_bits_match_pure_python_reference():
     rnd = random.Random(1)
     counters = list(range(300)) + [2**32 - 2, 2**32 - 1, 2**32, 2**32 + 1, 2**33 + 7, 2**40 + 3, 2**62]
     counters += [rnd.randrange(2**48) for _ in range(300)]
     for seed in (0, 1, 12345, 2**31, M32):
-        got = uniform_from_counter(torch.tensor(counters, dtype=torch.int64), seed)
-        assert got.dtype == torch.float32
-        assert got.tolist() == [ref_uniform(c, seed) for c in counters]
+        got = sr_bits(torch.tensor(counters, dtype=torch.int64), seed)
+        assert got.dtype == torch.int64
+        assert got.tolist() == [ref_sr_bits(c, seed) for c in counters]
 
 
-def test_uniform_range_and_determinism():
+def test_sr_bits_pairs_share_one_hash():
+    """Counters 2j and 2j + 1 are the two halves of the same 32-bit hash of j."""
+    c = torch.arange(2000, dtype=torch.int64)
+    b = sr_bits(c, 77)
+    whole = b[0::2] | (b[1::2] << 16)
+    assert torch.equal(whole, lowbias32(torch.arange(1000) ^ ref_lowbias32(ref_lowbias32(0) ^ 77)))
+
+
+def test_sr_bits_range_and_determinism():
     c = torch.arange(100_000, dtype=torch.int64)
-    u = uniform_from_counter(c, 7)
-    assert bool((u >= 0).all()) and bool((u < 1).all())
-    assert torch.equal(u, uniform_from_counter(c, 7))
-    # values are multiples of 2**-24 (24 random bits)
-    assert torch.equal(u * 2**24, torch.floor(u * 2**24))
+    b = sr_bits(c, 7)
+    assert bool((b >= 0).all()) and bool((b < 2**16).all())
+    assert torch.equal(b, sr_bits(c, 7))
     # shape is kept
     c2 = c.reshape(10, 100, 100)
-    assert torch.equal(uniform_from_counter(c2, 7), u.reshape(10, 100, 100))
+    assert torch.equal(sr_bits(c2, 7), b.reshape(10, 100, 100))
     # a different seed gives a different stream, element by element almost everywhere
-    v = uniform_from_counter(c, 8)
-    assert float((u == v).float().mean()) < 0.001
+    assert float((b == sr_bits(c, 8)).float().mean()) < 0.001
 
 
-def test_uniform_is_roughly_uniform():
+def test_sr_bits_are_roughly_uniform():
     n, bins = 1 << 17, 64
     for seed in (0, 99, 2**32 - 1):
-        u = uniform_from_counter(torch.arange(n, dtype=torch.int64), seed).double()
+        u = sr_bits(torch.arange(n, dtype=torch.int64), seed).double() / 2**16
         # mean 1/2 and variance 1/12 within 6 standard errors
         assert abs(u.mean().item() - 0.5) < 6 * math.sqrt(1 / 12 / n)
         assert abs(u.var().item() - 1 / 12) < 6 * math.sqrt(1 / 180 / n)
@@ -93,23 +99,22 @@ def test_uniform_is_roughly_uniform():
         chi2 = float(((counts - exp) ** 2 / exp).sum())
         dof = bins - 1
         assert chi2 < dof + 6 * math.sqrt(2 * dof), chi2
-        # neighbouring counters are uncorrelated
-        corr = torch.corrcoef(torch.stack((u[:-1], u[1:])))[0, 1].item()
-        assert abs(corr) < 6 / math.sqrt(n)
+        # neighbouring counters are uncorrelated: the two halves of one hash, and across pairs
+        for a, b in ((u[0::2], u[1::2]), (u[1:-1:2], u[2::2]), (u[:-2], u[2:])):
+            corr = torch.corrcoef(torch.stack((a, b)))[0, 1].item()
+            assert abs(corr) < 6 / math.sqrt(a.numel())
 
 
-def test_uniform_high_counter_words_matter():
-    # counters that differ only above bit 32 give different streams
+def test_sr_bits_high_counter_words_matter():
+    # counters whose pair index differs only above bit 32 give different streams
     lo = torch.arange(10_000, dtype=torch.int64)
-    a = uniform_from_counter(lo, 5)
-    b = uniform_from_counter(lo + 2**32, 5)
-    assert float((a == b).float().mean()) < 0.001
+    assert float((sr_bits(lo, 5) == sr_bits(lo + 2**33, 5)).float().mean()) < 0.001
 
 
 @pytest.mark.parametrize("seed", [-1, 2**32, True, 1.0, "3", None])
-def test_uniform_rejects_bad_seed(seed):
+def test_sr_bits_reject_bad_seed(seed):
     with pytest.raises(ValueError, match="seed"):
-        uniform_from_counter(torch.arange(4), seed)
+        sr_bits(torch.arange(4), seed)
     with pytest.raises(ValueError, match=r"\[0, 2\*\*32\)"):
         check_seed(seed)
 

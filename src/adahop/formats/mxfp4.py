@@ -45,9 +45,12 @@ Numerics (the contract the Triton and Hopper kernels reproduce bit for bit)
 
    * ``rne``: round to nearest, ties to even code: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2,
      3.5->4, 5->4 (the comparisons in ``_round_rne`` are the definition);
-   * ``sr``: with ``lo <= |v| < hi`` the grid neighbours, round up iff ``u < (|v| - lo) / (hi - lo)``
-     where ``u`` is the 24-bit counter-based uniform of ``formats.rng`` (both sides are exact in
-     float32, so every backend takes the same decision).
+   * ``sr``: with s the grid spacing at |v| (0.5 below 2, 1 below 4, 2 above) and ``bits`` the 16
+     counter-based random bits of ``formats.rng.sr_bits``: ``y = |v| / s`` (exact, in [0, 4)) is
+     rounded to 16 fractional bits, ``Y = round_half_even(y * 2**16)``, and the magnitude is
+     ``floor((Y + bits) / 2**16) * s``. So |v| goes to its upper neighbour with probability
+     frac(y) to 16 bits: unbiased to within 2**-17 of a step, and exact integer arithmetic
+     after one float32 multiply, so every backend takes the same decision.
 
 Where we differ from torchao's ``to_mx`` (deliberately; the tests compare away from these):
 torchao divides by ``max(scale, 2**-126)`` so blocks with ``amax < 2**-124`` encode differently,
@@ -60,7 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
-from adahop.formats.rng import check_seed, uniform_from_counter
+from adahop.formats.rng import check_seed, sr_bits
 
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of codes 0b000 .. 0b111
 E2M1_MAX = 6.0
@@ -195,22 +198,13 @@ def _round_rne(a: torch.Tensor) -> torch.Tensor:
     ).to(torch.uint8)
 
 
-def _round_sr(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Magnitude code of |v| in [0, 6], stochastically rounded with uniforms ``u`` in [0, 1)."""
-    lo_code = (
-        (a >= 0.5).to(torch.uint8)
-        + (a >= 1.0)
-        + (a >= 1.5)
-        + (a >= 2.0)
-        + (a >= 3.0)
-        + (a >= 4.0)
-        + (a >= 6.0)
-    ).to(torch.uint8)
-    grid = torch.tensor(E2M1_GRID + (E2M1_MAX,), dtype=torch.float32, device=a.device)
-    lo = grid[lo_code.long()]
-    gap = grid[(lo_code + 1).long()] - lo  # 0.5, 1 or 2 (0 at the top, where a == 6)
-    frac = torch.where(gap > 0, (a - lo) / torch.where(gap > 0, gap, 1.0), 0.0)  # exact
-    return lo_code + (u < frac).to(torch.uint8)
+def _round_sr(a: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Magnitude code of |v| in [0, 6], stochastically rounded with 16 random ``bits`` (int64)."""
+    small, mid = a < 2.0, a < 4.0
+    y = a * torch.where(small, 2.0, torch.where(mid, 1.0, 0.5))  # a / spacing: exact, in [0, 4)
+    fixed = torch.round(y * 65536.0).to(torch.int64)  # 16 fractional bits, ties to even
+    k = (fixed + bits) >> 16  # the lower grid index, plus one with probability frac
+    return torch.where(small, k, torch.where(mid, k + 2, k + 4)).to(torch.uint8)
 
 
 def _sr_counters(shape: torch.Size, device: torch.device) -> torch.Tensor:
@@ -252,8 +246,7 @@ def quantize_mxfp4(
     if rounding == "rne":
         code = _round_rne(mag)
     else:
-        u = uniform_from_counter(_sr_counters(blocks.shape, x.device), seed)
-        code = _round_sr(mag, u)
+        code = _round_sr(mag, sr_bits(_sr_counters(blocks.shape, x.device), seed))
     code = code | (torch.signbit(scaled).to(torch.uint8) << 3)
 
     scale_e8m0 = torch.where(

@@ -1,13 +1,20 @@
-"""Counter-based random numbers for stochastic rounding, the same bits on every backend.
+"""Counter-based random bits for stochastic rounding, the same bits on every backend.
 
 Stochastic rounding (SR) must be reproducible (a seed gives the same codes on the CPU reference,
 under the Triton interpreter and on the GPU) and cheap in a kernel (``tl.rand``'s Philox is 5x too
-slow for a memory-bound quantize pass, SPEC.md section 7). So each element draws its uniform from a
-stateless hash of (seed, element counter):
+slow for a memory-bound quantize pass, SPEC.md section 7). So the random bits are a stateless hash
+of (seed, element counter); two neighbouring elements share one 32-bit hash, 16 bits each:
 
-    key = lowbias32(seed ^ lowbias32(counter >> 32))
-    r   = lowbias32((counter & 0xFFFFFFFF) ^ key)
-    u   = (r >> 8) * 2**-24                       # 24 bits, exact in float32, u in [0, 1)
+    pair = counter >> 1
+    key  = lowbias32(seed ^ lowbias32(pair >> 32))
+    r    = lowbias32((pair & 0xFFFFFFFF) ^ key)
+    bits = r & 0xFFFF if counter is even else r >> 16       # 16 bits per element
+
+Sixteen bits resolve a rounding probability to 2**-16 (``formats.mxfp4``: the bias is under
+2**-17 of a grid step), and one hash per two elements halves the integer work of the kernels
+(an integer multiply is half the FP32 rate on Hopper). Before 2026-12 each element had its own
+hash and a 24-bit uniform; the H200 runs before then used that stream (same distribution,
+different draws).
 
 ``lowbias32`` is Chris Wellons' 32-bit integer hash (two multiply-xorshift rounds; it passes the
 usual avalanche tests and costs a handful of integer ops). The counter of an element is its flat
@@ -25,7 +32,6 @@ import torch
 MASK32 = 0xFFFFFFFF
 LOWBIAS32_M1 = 0x7FEB352D
 LOWBIAS32_M2 = 0x846CA68B
-U24_SCALE = 2.0**-24  # r >> 8 is a 24-bit integer; times 2**-24 is exact in float32
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -51,14 +57,16 @@ def check_seed(seed: int) -> int:
     return seed
 
 
-def uniform_from_counter(counter: torch.Tensor, seed: int) -> torch.Tensor:
-    """Uniform float32 in [0, 1) with 24 random bits per element, a pure function of
-    (seed, counter). ``counter`` is an int64 tensor of non-negative element indices."""
+def sr_bits(counter: torch.Tensor, seed: int) -> torch.Tensor:
+    """16 random bits (int64 in [0, 2**16)) per element, a pure function of (seed, counter).
+    ``counter`` is an int64 tensor of non-negative element indices; the counters 2j and 2j + 1
+    take the low and the high half of the hash of j."""
     check_seed(seed)
     counter = counter.to(torch.int64)
-    key = lowbias32(lowbias32(counter >> 32) ^ seed)
-    r = lowbias32((counter & MASK32) ^ key)
-    return (r >> 8).to(torch.float32) * U24_SCALE
+    pair = counter >> 1
+    key = lowbias32(lowbias32(pair >> 32) ^ seed)
+    r = lowbias32((pair & MASK32) ^ key)
+    return (r >> ((counter & 1) * 16)) & 0xFFFF
 
 
 def _lowbias32_int(x: int) -> int:

@@ -38,9 +38,8 @@ from adahop.kernels.mxfp4_math import (
     SCALE_MODE_IDS,
     block_exponent,
     e2m1_codes_rne,
-    e2m1_codes_sr,
     e2m1_rne_arith,
-    e2m1_sr_arith,
+    e2m1_sr,
     e2m1_value,
     fwht,
     fwht_inplace,
@@ -107,15 +106,11 @@ def _emit_chunk(
     if WRITE_PACKED:
         v = tl.where(finite[:, :, None], v, 0.0)
     a = tl.minimum(tl.abs(v), 6.0)
-    if SR:
-        cols = k0 + tl.arange(0, BLOCK_K)
-        ctr = (rows[:, None].to(tl.int64) * KP + cols[None, :]).to(tl.uint32)
-        r = lowbias32(ctr ^ sr_key.to(tl.uint32))
-        u = (r >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
-        if ARITH_E2M1:
-            c, mag = e2m1_sr_arith(a, tl.reshape(u, (BLOCK_R, NB, 32)))
-        else:
-            c = e2m1_codes_sr(a, tl.reshape(u, (BLOCK_R, NB, 32)))
+    if SR:  # one 32-bit hash per pair of elements, 16 bits each (formats.rng.sr_bits)
+        pairs = ((rows.to(tl.uint32) * KP.to(tl.uint32) + k0) >> 1)[:, None] + tl.arange(0, BLOCK_K // 2)[None, :]  # < 2**31
+        r = lowbias32(pairs ^ sr_key.to(tl.uint32))
+        bits = tl.reshape(tl.join(r & 0xFFFF, r >> 16), (BLOCK_R, NB, 32)).to(tl.int32)
+        c, mag = e2m1_sr(a, bits)
     elif ARITH_E2M1:
         c, mag = e2m1_rne_arith(a)
     else:
@@ -155,29 +150,6 @@ def _emit_chunk(
 
 
 @triton.jit
-def _store_row_exponent(epart_ptr, e_rowmax, e, rows, row_ok, last, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Store each row's largest block exponent (biased, as a uint8 like an E8M0 byte) as the 16
-    bytes ``epart[row, 0:16]``, written only when ``last``.
-
-    Why 16 copies through a full tile: Triton gives a tile the layout of the stores it flows
-    into. A per-row value stored as such pulls the whole chunk (the Hadamard butterfly
-    included) into one element per lane, which costs ~220 warp shuffles per chunk; routed back
-    through the ``[BLOCK_R, BLOCK_K / 32, 32]`` block tile and stored as 16 contiguous bytes, it
-    keeps the layout of the emit pass (a block over two lanes): 1,256 -> 544 SASS instructions
-    for the first pass (benchmarks/results/hopper_h200.md, runs 17-18)."""
-    NB: tl.constexpr = BLOCK_K // 32
-    t = tl.broadcast_to((e_rowmax[:, None] + 127 + 0 * e)[:, :, None], (BLOCK_R, NB, 32))
-    t = tl.reshape(t, (BLOCK_R, BLOCK_K)).to(tl.uint8)
-    cols = tl.arange(0, BLOCK_K)
-    tl.store(epart_ptr + rows[:, None].to(tl.int64) * 16 + cols[None, :], t, mask=row_ok[:, None] & (cols[None, :] < 16) & last)
-
-
-@triton.jit
-def _load_row_exponent(epart_ptr, rows, row_ok):
-    return tl.load(epart_ptr + rows.to(tl.int64) * 16, mask=row_ok, other=0).to(tl.int32) - 127
-
-
-@triton.jit
 def _mxfp4_quantize_kernel(
     x_ptr, stride_r, stride_k,
     codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, rowscale_ptr, sumsq_ptr, epart_ptr,
@@ -191,7 +163,7 @@ def _mxfp4_quantize_kernel(
     """Program (i, s) owns rows [i * BLOCK_R, (i + 1) * BLOCK_R) and the K range
     [s * SPLIT_K, (s + 1) * SPLIT_K) (SPLIT_K = KP: one range per row). PHASE 0 does everything
     (one chunk per row, or no e4m3 form); for the e4m3 form over several chunks, PHASE 1 writes
-    each range's largest block exponent to ``epart`` [n_splits, R, 16] (uint8, biased) and
+    each range's largest block exponent to ``epart`` [n_splits, R] (int32) and
     PHASE 2 takes the row maximum of those and emits."""
     pid = tl.program_id(0)
     sid = tl.program_id(1)
@@ -215,12 +187,12 @@ def _mxfp4_quantize_kernel(
             x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE)
             e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
             e_part = tl.maximum(e_part, tl.max(tl.where(finite, e, -127), axis=1))
-            _store_row_exponent(epart_ptr + sid * R * 16, e_part, e, rows, row_ok, k0 + BLOCK_K >= k_hi, BLOCK_R, BLOCK_K)
+        tl.store(epart_ptr + sid * R + rows, e_part, mask=row_ok)
     else:
         e_rowmax = tl.full((BLOCK_R,), -127, tl.int32)
         if WRITE_E4M3:  # (then PHASE 2) the row maximum of PHASE 1's partial maxima
             for sp in range(0, n_splits):
-                e_rowmax = tl.maximum(e_rowmax, _load_row_exponent(epart_ptr + sp * R * 16, rows, row_ok))
+                e_rowmax = tl.maximum(e_rowmax, tl.load(epart_ptr + sp * R + rows, mask=row_ok, other=-127))
             tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok & (sid == 0))
         sumsq = tl.zeros((BLOCK_R,), tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -343,7 +315,7 @@ def quantize_operand_triton(
     rs = torch.empty((R,), dtype=torch.float32, device=dev) if e4m3 else None
     ss = torch.empty((k_splits, R), dtype=torch.float32, device=dev) if sumsq else None
     two_phase = e4m3 and not single  # the row maximum first (PHASE 1), then the emit (PHASE 2)
-    epart = torch.empty((k_splits, R, 16), dtype=torch.uint8, device=dev) if two_phase else None
+    epart = torch.empty((k_splits, R), dtype=torch.int32, device=dev) if two_phase else None
     dummy = torch.empty((1,), dtype=torch.uint8, device=dev)
     grid = (row_programs, k_splits)
     args = (
