@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import platform
 import time
 import traceback
@@ -358,7 +359,7 @@ def main():
     props = torch.cuda.get_device_properties(0)
     res = {"device": props.name, "torch": torch.__version__, "triton": triton.__version__,
            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "command": "python benchmarks/bench_hopper.py --sections " + args.sections}
+           "command": "python benchmarks/bench_hopper.py " + " ".join(sys.argv[1:])}
     print(f"{props.name}, torch {torch.__version__}, triton {triton.__version__}")
     shapes = LLAMA_SHAPES if args.shapes == "all" else [tuple(int(v) for v in args.shapes.split(","))]
     sections = args.sections.split(",")
