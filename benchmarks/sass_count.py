@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 from adahop.kernels.quantize import _mxfp4_quantize_kernel
 
 POINTERS = ["x_ptr", "codes_ptr", "scales_ptr", "e4m3_ptr", "e4m3_bits_ptr", "rowscale_ptr", "sumsq_ptr", "epart_ptr"]
-POINTER_TYPES = ["*bf16", "*u8", "*u8", "*fp8e4nv", "*u8", "*fp32", "*fp32", "*i32"]
+POINTER_TYPES = ["*bf16", "*u8", "*u8", "*fp8e4nv", "*u8", "*fp32", "*fp32", "*u8"]
 INTS = ["stride_r", "stride_k", "R", "K", "KP", "SPLIT_K", "n_splits", "sr_key", "sign_key"]
 CLASSES = {
     "conversions": ("F2I", "I2F", "FRND", "F2F", "F2FP", "I2FP"),
