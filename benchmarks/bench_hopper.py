@@ -203,6 +203,68 @@ def section_split(res):
     res["k_split"] = rows
 
 
+# ---- 2c. one chunk per row (one read) vs two passes ---------------------------------------------
+def section_single(res, N=14336, K=4096):
+    """The operands of one (N, K) layer: the library's launch (two passes for e4m3: row maxima,
+    then emit) against one chunk per row (one read, one launch; 1-2 rows per program, 4-16
+    warps), bit-exactness checked; then the layer forward + backward with one-chunk launches."""
+    from adahop.kernels import quantize as qmod
+
+    x = activation((T, K))
+    w = activation((N, K), seed=3)
+    g = activation((T, N), seed=5)
+    cases = [  # (name, tensor, dim, kwargs)
+        ("x along K -> e4m3 RNE", x, 1, dict(e4m3=True, packed=False)),
+        ("w along K -> e4m3 RNE", w, 1, dict(e4m3=True, packed=False)),
+        ("w along N -> e4m3 RNE", w, 0, dict(e4m3=True, packed=False)),
+        ("g along N -> e4m3 SR", g, 1, dict(e4m3=True, packed=False, rounding="sr", sr_seed=3)),
+        ("g along T -> e4m3 SR", g, 0, dict(e4m3=True, packed=False, rounding="sr", sr_seed=4)),
+        ("x along T -> packed RNE (saved)", x, 0, dict()),
+    ]
+    rows = []
+    for name, t, dim, kw in cases:
+        kw = dict(kw, dim=dim, hadamard_size=32)
+        KP = -(-t.shape[dim] // 32) * 32
+        base = quantize_operand_triton(t, **kw)
+        row = dict(case=name, KP=KP, default_ms=bench(lambda: quantize_operand_triton(t, **kw), rep=50))  # noqa: B023
+        for br, warps in ((1, 4), (1, 8), (1, 16), (2, 8), (2, 16)):
+            cfg = dict(single_chunk_max=KP, block_r=br, num_warps=warps)
+            try:
+                out = quantize_operand_triton(t, **cfg, **kw)
+                if "e4m3" in out:
+                    same = torch.equal(out["e4m3"].view(torch.uint8), base["e4m3"].view(torch.uint8)) and torch.equal(out["row_scale"], base["row_scale"])
+                else:
+                    same = torch.equal(out["mx"].codes, base["mx"].codes) and torch.equal(out["mx"].scale_e8m0, base["mx"].scale_e8m0)
+                row[f"single_r{br}_w{warps}_ms"] = bench(lambda: quantize_operand_triton(t, **cfg, **kw), rep=50)  # noqa: B023
+                row[f"single_r{br}_w{warps}_bit_exact"] = same
+            except Exception as e:
+                row[f"single_r{br}_w{warps}_ms"] = f"{type(e).__name__}: {e}"[:120]
+        rows.append(row)
+        print("  single", row, flush=True)
+    res["single_chunk"] = rows
+    # The layer with one-chunk launches for every row up to 16384 (the layer's longest).
+    xg = activation((T, K)).requires_grad_()
+    gg = activation((T, N), seed=5)
+    layer_rows = []
+    base_ms = bench(fwd_bwd_fn(make_layer("bf16_nn", N, K, None), xg, gg))
+    saved = dict(qmod.LAUNCH_CONFIGS)
+    try:
+        for label, over in (("default", None), ("single, 32 per thread", 32), ("single, 64 per thread", 64), ("single, 16 per thread", 16)):
+            qmod.LAUNCH_CONFIGS.clear()
+            if over is not None:
+                for key in ((0, False), (0, True), (1, False), (1, True)):
+                    qmod.LAUNCH_CONFIGS[key] = dict(qmod.DEFAULT_LAUNCH, single_chunk_max=16384, single_elems_per_thread=over)
+            row = {"launch": label, "bf16_ms": base_ms}
+            for recipe in ("adahop_lv2", "adahop_lv1"):
+                row[recipe] = base_ms / bench(fwd_bwd_fn(make_layer(recipe, N, K, "hopper_fp8"), xg, gg))
+            layer_rows.append(row)
+            print("  single layer", row, flush=True)
+    finally:
+        qmod.LAUNCH_CONFIGS.clear()
+        qmod.LAUNCH_CONFIGS.update(saved)
+    res["single_chunk_layer"] = layer_rows
+
+
 # ---- 3. GEMM ------------------------------------------------------------------------------------
 def section_gemm(res):
     rows = []
@@ -372,6 +434,8 @@ def main():
                 section_quant(res)
             elif name == "split":
                 section_split(res)
+            elif name == "single":
+                section_single(res)
             elif name == "gemm":
                 section_gemm(res)
             elif name == "linear":
