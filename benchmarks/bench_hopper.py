@@ -207,9 +207,7 @@ def section_split(res):
 def section_single(res, N=14336, K=4096):
     """The operands of one (N, K) layer: the library's launch (two passes for e4m3: row maxima,
     then emit) against one chunk per row (one read, one launch; 1-2 rows per program, 4-16
-    warps), bit-exactness checked; then the layer forward + backward with one-chunk launches."""
-    from adahop.kernels import quantize as qmod
-
+    warps), bit-exactness checked. (Run 22: one chunk per row was slower for every operand.)"""
     x = activation((T, K))
     w = activation((N, K), seed=3)
     g = activation((T, N), seed=5)
@@ -242,27 +240,6 @@ def section_single(res, N=14336, K=4096):
         rows.append(row)
         print("  single", row, flush=True)
     res["single_chunk"] = rows
-    # The layer with one-chunk launches for every row up to 16384 (the layer's longest).
-    xg = activation((T, K)).requires_grad_()
-    gg = activation((T, N), seed=5)
-    layer_rows = []
-    base_ms = bench(fwd_bwd_fn(make_layer("bf16_nn", N, K, None), xg, gg))
-    saved = dict(qmod.LAUNCH_CONFIGS)
-    try:
-        for label, over in (("default", None), ("single, 32 per thread", 32), ("single, 64 per thread", 64), ("single, 16 per thread", 16)):
-            qmod.LAUNCH_CONFIGS.clear()
-            if over is not None:
-                for key in ((0, False), (0, True), (1, False), (1, True)):
-                    qmod.LAUNCH_CONFIGS[key] = dict(qmod.DEFAULT_LAUNCH, single_chunk_max=16384, single_elems_per_thread=over)
-            row = {"launch": label, "bf16_ms": base_ms}
-            for recipe in ("adahop_lv2", "adahop_lv1"):
-                row[recipe] = base_ms / bench(fwd_bwd_fn(make_layer(recipe, N, K, "hopper_fp8"), xg, gg))
-            layer_rows.append(row)
-            print("  single layer", row, flush=True)
-    finally:
-        qmod.LAUNCH_CONFIGS.clear()
-        qmod.LAUNCH_CONFIGS.update(saved)
-    res["single_chunk_layer"] = layer_rows
 
 
 # ---- 3. GEMM ------------------------------------------------------------------------------------

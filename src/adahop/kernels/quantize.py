@@ -234,11 +234,7 @@ def _mxfp4_quantize_kernel(
 # was the fastest for 4 of the 5 variants (run 11); single-chunk rows spill registers on long rows
 # (g [16384, 14336]: run 7), so they are off by default; the arithmetic E2M1 encoder beat the
 # compare chains in every variant (run 14: IHT e4m3 0.334 -> 0.277 ms).
-# A row short enough for one chunk (``single_chunk_max``) runs in one launch, one read: then
-# ``single_block_r`` rows per program and enough warps for ``single_elems_per_thread`` elements
-# per thread (4 to 16 warps).
-DEFAULT_LAUNCH = dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=0, fwht_inplace=True, arith_e2m1=True,
-                      single_block_r=1, single_elems_per_thread=32)
+DEFAULT_LAUNCH = dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=0, fwht_inplace=True, arith_e2m1=True)
 LAUNCH_CONFIGS: dict[tuple[int, bool], dict] = {}
 
 
@@ -306,7 +302,6 @@ def quantize_operand_triton(
         raise ValueError("stochastic rounding needs sr_seed")
     dim = dim % 2
     cfg = launch_config(dim, e4m3)
-    block_r_arg, num_warps_arg = block_r, num_warps
     block_r = cfg["block_r"] if block_r is None else block_r
     block_k = cfg["block_k"] if block_k is None else block_k
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
@@ -325,11 +320,6 @@ def quantize_operand_triton(
     single = 0 < KP <= single_chunk_max  # one chunk per row: one read instead of two for e4m3
     if single:
         block_k = triton.next_power_of_2(KP)
-        if block_r_arg is None:
-            block_r = cfg.get("single_block_r", 1)
-        if num_warps_arg is None:
-            per_thread = cfg.get("single_elems_per_thread", 32)
-            num_warps = min(16, max(4, block_r * block_k // (32 * per_thread)))
     n_chunks = triton.cdiv(KP, block_k)
     row_programs = triton.cdiv(R, block_r)
     if k_splits is None:
