@@ -242,6 +242,40 @@ def section_single(res, N=14336, K=4096):
     res["single_chunk"] = rows
 
 
+# ---- 2d. both orientations of g from one kernel ---------------------------------------------------
+def section_both(res):
+    """The backward's gradient g [T, N] quantized along N (dgrad, SR) and along T (wgrad, SR):
+    two one-orientation calls (4 reads of g) against ``quantize_both_e4m3`` (2 reads), per tile."""
+    from adahop.kernels.quantize_both import quantize_both_e4m3
+
+    rows = []
+    for N in (14336, 4096):
+        g = activation((T, N), seed=5)
+        cols = dict(hadamard_size=32, rounding="sr", sr_seed=3)
+        rws = dict(hadamard_size=32, rounding="sr", sr_seed=4)
+
+        def two():
+            return (quantize_operand_triton(g, 1, e4m3=True, packed=False, **cols),  # noqa: B023
+                    quantize_operand_triton(g, 0, e4m3=True, packed=False, **rws))  # noqa: B023
+
+        want = two()
+        row = {"g": (T, N), "two_calls_ms": bench(two, rep=50)}
+        for br, bc, warps in ((64, 64, 4), (32, 128, 4), (64, 128, 8), (128, 64, 8), (128, 128, 8), (64, 64, 8), (32, 64, 4)):
+            key = f"tile{br}x{bc}_w{warps}"
+            try:
+                got = quantize_both_e4m3(g, cols, rws, block_r=br, block_c=bc, num_warps=warps)
+                row[key + "_bit_exact"] = all(
+                    torch.equal(a["e4m3"].view(torch.uint8), b["e4m3"].view(torch.uint8)) and torch.equal(a["row_scale"], b["row_scale"])
+                    for a, b in zip(got, want))
+                row[key + "_ms"] = bench(lambda: quantize_both_e4m3(g, cols, rws, block_r=br, block_c=bc, num_warps=warps), rep=50)  # noqa: B023
+            except Exception as e:
+                row[key + "_ms"] = f"{type(e).__name__}: {e}"[:120]
+        row["default_ms"] = bench(lambda: quantize_both_e4m3(g, cols, rws), rep=50)  # noqa: B023
+        rows.append(row)
+        print("  both", row, flush=True)
+    res["quantize_both"] = rows
+
+
 # ---- 3. GEMM ------------------------------------------------------------------------------------
 def section_gemm(res):
     rows = []
@@ -413,6 +447,8 @@ def main():
                 section_split(res)
             elif name == "single":
                 section_single(res)
+            elif name == "both":
+                section_both(res)
             elif name == "gemm":
                 section_gemm(res)
             elif name == "linear":

@@ -96,19 +96,21 @@ def topk_outer(t: torch.Tensor, outer_dim: int, k: int) -> torch.Tensor:
     return torch.topk(norms, k, sorted=False).indices.sort().values
 
 
-def _mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=None, b_cols_hp=None, b_cols_idx=None, out_dtype):
+def _mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=None, b_cols_hp=None, b_cols_idx=None, a_q=None, out_dtype):
     """C = A @ B with A given as 2-D ``a`` (contraction along ``a_dim``) and B's transpose as 2-D
     ``b`` (contraction along ``b_dim``): the NT form. OE slices are chosen, zeroed, computed in
     high precision and written over the MXFP4 result (whose zeroed slices are exactly 0).
 
     ``a_hp(rows)`` / ``b_hp`` give the high-precision matrices for OE; for wgrad's OE-right the
-    saved columns come in ``b_cols_hp`` with their indices ``b_cols_idx``."""
+    saved columns come in ``b_cols_hp`` with their indices ``b_cols_idx``. ``a_q``: A already
+    quantized (the backward's gradient: both orientations come from one kernel)."""
     rows_idx = cols_idx = None
     if plan.mode == "iht+oe_left":
         rows_idx = topk_outer(a, 1 - a_dim, plan.oe_k)
     elif plan.mode == "iht+oe_right" and b_cols_idx is None:
         cols_idx = topk_outer(b, 1 - b_dim, plan.oe_k)
-    a_q = backend.quantize(a, a_dim, plan.a, zero_outer=rows_idx)
+    if a_q is None:
+        a_q = backend.quantize(a, a_dim, plan.a, zero_outer=rows_idx)
     # B may be the packed operand the forward saved (wgrad's x); mm_nt takes it as it is.
     b_q = b if isinstance(b, MXFP4Tensor) else backend.quantize(b, b_dim, plan.b, zero_outer=cols_idx)
     c = backend.mm_nt(a_q, b_q, out_dtype)
@@ -179,6 +181,12 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
         if plan.layer is not None:
             plan.layer._observe("g", g_TN)
         dx_TK = dw_NK = None
+        g_dgrad = g_wgrad = None
+        if (ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and plan.dgrad.quantized
+                and plan.wgrad.quantized and getattr(backend, "quantize_both", None) is not None):
+            # g is A of both backward GEMMs (along N for dgrad, along T for wgrad): one kernel
+            # quantizes both orientations from the same reads.
+            g_dgrad, g_wgrad = backend.quantize_both(g_TN, plan.dgrad.a, plan.wgrad.a)
 
         # GEMM 2: dgrad dx_TK = g_TN @ w_NK, [T,N]@[N,K]->[T,K]; A = g (rows: tokens, quantized
         # along N), B = w (columns: input features, quantized along N = dim 0 of w).
@@ -191,8 +199,10 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
                     dg, backend, g_TN, 1, w_NK, 0,
                     a_hp=lambda idx: g_TN if idx is None else g_TN[idx],
                     b_hp=lambda: w_NK,
+                    a_q=g_dgrad,
                     out_dtype=g_TN.dtype,
                 )
+                g_dgrad = None  # freed before wgrad
 
         # GEMM 3: wgrad dw_NK = g_TN^T @ x_TK, [N,T]@[T,K]->[N,K]; A = g^T (quantized along T =
         # dim 0 of g), B = x (columns: input features; quantized along T in the forward).
@@ -213,6 +223,7 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
                     wg, backend, g_TN, 0, x_q, 0,
                     a_hp=lambda idx: g_TN.t(),
                     b_cols_hp=cols_hp, b_cols_idx=cols_idx,
+                    a_q=g_wgrad,
                     out_dtype=g_TN.dtype,
                 )
         if plan.layer is not None:

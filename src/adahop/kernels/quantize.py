@@ -60,6 +60,17 @@ def _load_transform(
     mask = (rows[:, None] < R) & (cols[None, :] < K)
     ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_k
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    return _transform(x, cols, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE)
+
+
+@triton.jit
+def _transform(
+    x, cols, sign_key, norm,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
+    FWHT_INPLACE: tl.constexpr,
+):
+    """Random signs (by column index ``cols``) and the block Hadamard along the last dim of a
+    float32 ``[BLOCK_R, BLOCK_K]`` tile, as ``transforms.hadamard``."""
     if HAS_SIGNS:
         bit = lowbias32(cols.to(tl.uint32) ^ sign_key.to(tl.uint32)) >> 31
         x = x * (1.0 - 2.0 * bit.to(tl.float32))[None, :]

@@ -1,0 +1,158 @@
+"""Both orientations of one operand from the same reads: the Hopper form of ``x`` [R, C] quantized
+along C (rows = R) and along R (rows = C), as two ``quantize_operand_triton(..., e4m3=True)``
+calls would give them, bit for bit.
+
+The gradient g [T, N] of a linear layer is quantized twice in the backward: along N for dgrad and
+along T for wgrad. Each call reads g twice (the e4m3 form needs each row's largest block exponent
+before it writes: ``kernels.quantize``), so g is read four times. Here a program owns one
+``[BLOCK_R, BLOCK_C]`` tile of x and does both orientations on it: the tile, transformed along its
+rows, gives blocks along C; its transpose, transformed along the tile's columns, gives blocks along
+R. Two launches, as the one-orientation form:
+
+* PHASE 1 writes, for every tile, each row's largest block exponent of either orientation
+  (``[tiles along C, R, 16]`` and ``[tiles along R, C, 16]`` uint8, the 16-byte store of
+  ``kernels.quantize``); torch reduces those to each row's maximum (1/16 of a byte per element);
+* PHASE 2 reads the tile again and emits both e4m3 forms and row scales.
+
+g is read twice instead of four times. The blocks, counters (SR) and signs of each orientation are
+those of the one-orientation kernel, so the outputs are identical (tested).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from adahop.formats.rng import _lowbias32_int
+from adahop.kernels.mxfp4_math import SCALE_MODE_IDS, pow2
+from adahop.kernels.quantize import _blocks, _emit_chunk, _store_row_exponent, _transform, sr_key
+from adahop.transforms.hadamard import HADAMARD_NORM
+
+
+@triton.jit
+def _quantize_both_kernel(
+    x_ptr, stride_r, stride_c, R, C, RP, CP,
+    e4a_ptr, e4a_bits_ptr, rsa_ptr, parta_ptr, emaxa_ptr,
+    e4b_ptr, e4b_bits_ptr, rsb_ptr, partb_ptr, emaxb_ptr,
+    sr_key_a, sr_key_b, sign_key_a, sign_key_b, norm_a, norm_b,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    LOG2_HA: tl.constexpr, LOG2_HB: tl.constexpr, HAS_SIGNS_A: tl.constexpr, HAS_SIGNS_B: tl.constexpr,
+    SCALE_MODE_A: tl.constexpr, SCALE_MODE_B: tl.constexpr, SR_A: tl.constexpr, SR_B: tl.constexpr,
+    NAN_BY_CAST: tl.constexpr, PHASE: tl.constexpr,
+):
+    """Program (i, j) owns rows [i * BLOCK_R, ...) and columns [j * BLOCK_C, ...) of x. Orientation
+    A: rows of x, quantized along C (K = CP); orientation B: columns of x, quantized along R
+    (K = RP)."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    xa = _transform(x, cols, sign_key_a, norm_a, BLOCK_R, BLOCK_C, LOG2_HA, HAS_SIGNS_A, True)
+    xb = _transform(tl.trans(x), rows, sign_key_b, norm_b, BLOCK_C, BLOCK_R, LOG2_HB, HAS_SIGNS_B, True)
+    ea, fina = _blocks(xa, BLOCK_R, BLOCK_C, SCALE_MODE_A)
+    eb, finb = _blocks(xb, BLOCK_C, BLOCK_R, SCALE_MODE_B)
+    rows_a_ok = rows < R
+    rows_b_ok = cols < C
+    if PHASE == 1:
+        ma = tl.max(tl.where(fina, ea, -127), axis=1)
+        mb = tl.max(tl.where(finb, eb, -127), axis=1)
+        _store_row_exponent(parta_ptr + pid_c * R * 16, ma, ea, rows, rows_a_ok, True, BLOCK_R, BLOCK_C)
+        _store_row_exponent(partb_ptr + pid_r * C * 16, mb, eb, cols, rows_b_ok, True, BLOCK_C, BLOCK_R)
+    else:
+        emax_a = tl.load(emaxa_ptr + rows, mask=rows_a_ok, other=0).to(tl.int32) - 127
+        emax_b = tl.load(emaxb_ptr + cols, mask=rows_b_ok, other=0).to(tl.int32) - 127
+        tl.store(rsa_ptr + rows, pow2(emax_a - 6), mask=rows_a_ok & (pid_c == 0))
+        tl.store(rsb_ptr + cols, pow2(emax_b - 6), mask=rows_b_ok & (pid_r == 0))
+        _emit_chunk(xa, ea, fina, emax_a, rows, rows_a_ok, pid_c * BLOCK_C, CP, sr_key_a,
+                    e4a_ptr, e4a_ptr, e4a_ptr, e4a_bits_ptr, BLOCK_R, BLOCK_C, SR_A, False, True, NAN_BY_CAST, True)
+        _emit_chunk(xb, eb, finb, emax_b, cols, rows_b_ok, pid_r * BLOCK_R, RP, sr_key_b,
+                    e4b_ptr, e4b_ptr, e4b_ptr, e4b_bits_ptr, BLOCK_C, BLOCK_R, SR_B, False, True, NAN_BY_CAST, True)
+
+
+def _orientation_args(spec: dict, K: int) -> dict:
+    """Kernel arguments of one orientation from ``quantize_operand_triton``-style keywords."""
+    rounding = spec.get("rounding", "rne")
+    if rounding not in ("rne", "sr"):
+        raise ValueError(f"rounding must be 'rne' or 'sr', got {rounding!r}")
+    if rounding == "sr" and spec.get("sr_seed") is None:
+        raise ValueError("stochastic rounding needs sr_seed")
+    if spec.get("block_size", 32) != 32:
+        raise ValueError(f"the Triton kernels implement MX blocks of 32, got block_size={spec.get('block_size')}")
+    scale_mode = spec.get("scale_mode", "even")
+    if scale_mode not in SCALE_MODE_IDS:
+        raise ValueError(f"scale_mode must be one of {tuple(SCALE_MODE_IDS)}, got {scale_mode!r}")
+    h = spec.get("hadamard_size")
+    if h is not None and h not in HADAMARD_NORM:
+        raise ValueError(f"hadamard_size must be one of {sorted(HADAMARD_NORM)} or None, got {h!r}")
+    signs = spec.get("signs_seed")
+    align = max(32, h or 1)
+    return dict(
+        KP=-(-K // align) * align, align=align, log2_h=(h or 1).bit_length() - 1, has_signs=signs is not None,
+        sign_key=_lowbias32_int(signs) if signs is not None else 0, norm=HADAMARD_NORM[h] if h else 1.0,
+        scale_mode=SCALE_MODE_IDS[scale_mode], sr=rounding == "sr", sr_key=sr_key(spec["sr_seed"]) if rounding == "sr" else 0,
+    )
+
+
+def quantize_both_e4m3(x: torch.Tensor, along_cols: dict, along_rows: dict, *, block_r: int | None = None, block_c: int | None = None, num_warps: int | None = None):
+    """Quantize 2-D ``x`` [R, C] along C (``along_cols``: the keywords of
+    ``quantize_operand_triton`` for ``dim=1``) and along R (``along_rows``: for ``dim=0``).
+    Returns two dicts with ``"e4m3"`` and ``"row_scale"``, equal to
+    ``quantize_operand_triton(x, 1, e4m3=True, packed=False, **along_cols)`` and
+    ``quantize_operand_triton(x, 0, e4m3=True, packed=False, **along_rows)``.
+
+    ``block_r`` / ``block_c``: the tile, powers of two, each a multiple of 32 and of the
+    Hadamard size of the orientation that transforms along it (default: 64, or that size if
+    larger); ``num_warps`` (default: 32 elements per thread, 4 to 8 warps)."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_both_e4m3 takes a 2-D operand, got shape {tuple(x.shape)}")
+    R, C = x.shape
+    a = _orientation_args(along_cols, C)
+    b = _orientation_args(along_rows, R)
+    block_c = max(64, a["align"]) if block_c is None else block_c
+    block_r = max(64, b["align"]) if block_r is None else block_r
+    for name, size, align in (("block_c", block_c, a["align"]), ("block_r", block_r, b["align"])):
+        if isinstance(size, bool) or not isinstance(size, int) or size < align or size & (size - 1) or size % align:
+            raise ValueError(f"{name} must be a power of two and a multiple of {align}, got {size!r}")
+    if num_warps is None:
+        num_warps = min(8, max(4, block_r * block_c // 1024))
+    CP, RP = a["KP"], b["KP"]
+    if R * CP >= 2**32 or C * RP >= 2**32:
+        raise ValueError(f"operand too large for 32-bit SR counters: {R} x {C}")
+    dev = x.device
+    e4a = torch.empty((R, CP), dtype=torch.float8_e4m3fn, device=dev)
+    e4b = torch.empty((C, RP), dtype=torch.float8_e4m3fn, device=dev)
+    rsa = torch.empty((R,), dtype=torch.float32, device=dev)
+    rsb = torch.empty((C,), dtype=torch.float32, device=dev)
+    out_a, out_b = {"e4m3": e4a, "row_scale": rsa}, {"e4m3": e4b, "row_scale": rsb}
+    if R == 0 or C == 0:  # an empty dim: rows with no blocks get the smallest row scale
+        rsa.fill_(2.0**-133)
+        rsb.fill_(2.0**-133)
+        return out_a, out_b
+    grid = (triton.cdiv(RP, block_r), triton.cdiv(CP, block_c))  # covers the padding of both
+    parta = torch.empty((grid[1], R, 16), dtype=torch.uint8, device=dev)
+    partb = torch.empty((grid[0], C, 16), dtype=torch.uint8, device=dev)
+    emaxa = torch.empty((R,), dtype=torch.uint8, device=dev)
+    emaxb = torch.empty((C,), dtype=torch.uint8, device=dev)
+    args = (
+        x, x.stride(0), x.stride(1), R, C, RP, CP,
+        e4a, e4a.view(torch.uint8), rsa, parta, emaxa,
+        e4b, e4b.view(torch.uint8), rsb, partb, emaxb,
+        a["sr_key"], b["sr_key"], a["sign_key"], b["sign_key"], a["norm"], b["norm"],
+    )
+    meta = dict(
+        BLOCK_R=block_r, BLOCK_C=block_c, LOG2_HA=a["log2_h"], LOG2_HB=b["log2_h"],
+        HAS_SIGNS_A=a["has_signs"], HAS_SIGNS_B=b["has_signs"], SCALE_MODE_A=a["scale_mode"],
+        SCALE_MODE_B=b["scale_mode"], SR_A=a["sr"], SR_B=b["sr"],
+        NAN_BY_CAST=os.environ.get("TRITON_INTERPRET") != "1", num_warps=num_warps,
+    )
+    _quantize_both_kernel[grid](*args, PHASE=1, **meta)
+    torch.amax(parta[:, :, 0], dim=0, out=emaxa)
+    torch.amax(partb[:, :, 0], dim=0, out=emaxb)
+    _quantize_both_kernel[grid](*args, PHASE=2, **meta)
+    return out_a, out_b

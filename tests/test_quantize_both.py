@@ -1,0 +1,147 @@
+"""Both orientations of one operand from one kernel (kernels.quantize_both) against two calls of
+the one-orientation kernel (itself tested against the reference), bit for bit; and the layer's
+backward with and without it. On the CPU through TRITON_INTERPRET=1 (conftest.py)."""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+import adahop  # noqa: E402
+import adahop.linear  # noqa: E402
+from adahop.kernels.quantize import quantize_operand_triton  # noqa: E402
+from adahop.kernels.quantize_both import quantize_both_e4m3  # noqa: E402
+from adahop.ops.kernel_backends import HopperFP8Backend  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape[0], 1, generator=g) * 2)
+    x[torch.rand(shape, generator=g) < 0.01] *= 40
+    return x.to(torch.bfloat16).to(DEVICE)
+
+
+def assert_same(got, want):
+    assert torch.equal(got["e4m3"].view(torch.uint8), want["e4m3"].view(torch.uint8))
+    assert torch.equal(got["row_scale"], want["row_scale"])
+
+
+def separately(x, cols, rows):
+    return (quantize_operand_triton(x, 1, e4m3=True, packed=False, **cols),
+            quantize_operand_triton(x, 0, e4m3=True, packed=False, **rows))
+
+
+@pytest.mark.parametrize(
+    "shape,cols,rows,tile",
+    [
+        ((100, 150), dict(hadamard_size=32, rounding="sr", sr_seed=5, signs_seed=9),
+         dict(hadamard_size=32, rounding="sr", sr_seed=6, scale_mode="rceil"), {}),
+        ((64, 64), dict(), dict(rounding="sr", sr_seed=1), {}),
+        ((40, 200), dict(hadamard_size=16, scale_mode="floor"), dict(hadamard_size=64, signs_seed=2), dict(block_r=64, block_c=32)),
+        ((130, 96), dict(hadamard_size=128, rounding="sr", sr_seed=3), dict(scale_mode="ceil"), {}),
+    ],
+)
+def test_equals_two_one_orientation_calls(shape, cols, rows, tile):
+    x = make(shape, seed=sum(shape))
+    a, b = quantize_both_e4m3(x, cols, rows, **tile)
+    want_a, want_b = separately(x, cols, rows)
+    assert_same(a, want_a)
+    assert_same(b, want_b)
+
+
+def test_special_values():
+    x = make((70, 90), seed=4)
+    x[3, 7] = float("nan")
+    x[10, :] = 0.0
+    x[:, 20] = 0.0
+    x[50, 60] = float("inf")
+    x[60, 5] = float("-inf")
+    cols, rows = dict(hadamard_size=32, rounding="sr", sr_seed=7), dict(hadamard_size=32)
+    a, b = quantize_both_e4m3(x, cols, rows)
+    want_a, want_b = separately(x, cols, rows)
+    assert_same(a, want_a)
+    assert_same(b, want_b)
+
+
+@pytest.mark.parametrize("shape", [(0, 40), (40, 0), (0, 0)])
+def test_empty_operands(shape):
+    x = torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE)
+    a, b = quantize_both_e4m3(x, dict(hadamard_size=32), dict(hadamard_size=32))
+    want_a, want_b = separately(x, dict(hadamard_size=32), dict(hadamard_size=32))
+    for got, want in ((a, want_a), (b, want_b)):
+        assert got["e4m3"].shape == want["e4m3"].shape
+        assert torch.equal(got["row_scale"], want["row_scale"])
+
+
+def test_bad_arguments():
+    x = make((64, 64))
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_both_e4m3(x[0], {}, {})
+    with pytest.raises(ValueError, match="block_c must be a power of two and a multiple of 64"):
+        quantize_both_e4m3(x, dict(hadamard_size=64), {}, block_c=32)
+    with pytest.raises(ValueError, match="block_r"):
+        quantize_both_e4m3(x, {}, {}, block_r=96)
+    with pytest.raises(ValueError, match="sr_seed"):
+        quantize_both_e4m3(x, dict(rounding="sr"), {})
+    with pytest.raises(ValueError, match="rounding"):
+        quantize_both_e4m3(x, {}, dict(rounding="nearest"))
+    with pytest.raises(ValueError, match="scale_mode"):
+        quantize_both_e4m3(x, dict(scale_mode="round"), {})
+    with pytest.raises(ValueError, match="hadamard_size"):
+        quantize_both_e4m3(x, {}, dict(hadamard_size=48))
+    with pytest.raises(ValueError, match="block_size"):
+        quantize_both_e4m3(x, dict(block_size=16), {})
+
+
+class _EmulatedHopper(HopperFP8Backend):
+    """hopper_fp8's operands and kernels, with the FP8 GEMM replaced by a float32 matmul of the
+    e4m3 values times their row scales (exact products), so that it runs on the CPU."""
+
+    def mm_nt(self, a, b, out_dtype):
+        a, b = self.as_e4m3(a), self.as_e4m3(b)
+        fa = a.e4m3.float() * a.row_scale[:, None]
+        fb = b.e4m3.float() * b.row_scale[:, None]
+        return (fa @ fb.t()).to(out_dtype)
+
+
+class _EmulatedHopperSeparate(_EmulatedHopper):
+    quantize_both = None  # the backward quantizes g twice, as without the fused kernel
+
+
+@pytest.mark.parametrize("recipe,modes", [
+    ("adahop_lv2", {"fprop": "iht", "dgrad": "iht+oe_left", "wgrad": "iht+oe_right"}),
+    ("tseng", None),
+])
+def test_layer_backward_same_with_and_without_fusion(monkeypatch, recipe, modes):
+    """The layer's gradients are the same bits whether g's two quantizations come from one
+    kernel or from two calls (and the fused kernel is what the layer calls)."""
+    T, K, N = 64, 64, 96
+    x, g = make((T, K), seed=1), make((T, N), seed=3)
+    w = make((N, K), seed=2).float() * 0.1
+    calls = []
+    real = HopperFP8Backend.quantize_both
+
+    def counting(self, *args):
+        calls.append(1)
+        return real(self, *args)
+
+    monkeypatch.setattr(_EmulatedHopper, "quantize_both", counting)
+    outs = []
+    for backend in (_EmulatedHopper(), _EmulatedHopperSeparate()):
+        monkeypatch.setattr(adahop.linear, "get_backend", lambda name, device, b=backend: b)
+        cfg = adahop.AdaHOPConfig.from_recipe_name(recipe).with_gemm_settings(oe_k=4)
+        lin = torch.nn.Linear(K, N, bias=False, device=DEVICE)
+        lin.weight.data.copy_(w)
+        layer = adahop.AdaHOPLinear.from_float(lin, config=cfg, name="probe")
+        if modes:
+            layer.set_modes(modes)
+        xx = x.clone().requires_grad_()
+        y = layer(xx)
+        y.backward(g)
+        outs.append((y.detach(), xx.grad, layer.weight.grad))
+    assert len(calls) == 1
+    for ref, got in zip(outs[1], outs[0]):
+        assert torch.equal(ref, got)
+    assert torch.isfinite(outs[0][2]).all()
