@@ -46,13 +46,14 @@ VARIANTS = [
 
 
 def sass_of(meta: dict, num_warps: int) -> list[str]:
-    sig = {name: t for name, t in zip(POINTERS, POINTER_TYPES)}
-    sig.update({name: "i32" for name in INTS})
-    sig["stride_k"] = "constexpr"
-    sig["norm"] = "fp32"
-    sig.update({name: "constexpr" for name in meta})
+    types = dict(zip(POINTERS, POINTER_TYPES))
+    types.update({name: "i32" for name in INTS})
+    types.update(norm="fp32", stride_k="constexpr")
+    types.update({name: "constexpr" for name in meta})
+    # In the kernel's argument order: attributes are given by argument position.
+    names = list(_mxfp4_quantize_kernel.arg_names)
+    sig = {name: types[name] for name in names}
     consts = dict(meta, stride_k=1)
-    names = list(sig)
     # Pointers and sizes divisible by 16, as at the real shapes (Triton specializes on it).
     aligned = POINTERS + ["stride_r", "R", "K", "KP", "SPLIT_K"]
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in aligned}

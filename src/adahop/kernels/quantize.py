@@ -166,10 +166,12 @@ def _store_row_exponent(epart_ptr, e_rowmax, e, rows, row_ok, last, BLOCK_R: tl.
     bytes ``epart[row, 0:16]``, written only when ``last``.
 
     Why 16 copies through a full tile: Triton gives a tile the layout of the stores it flows
-    into, and this store decides the layout of the whole first pass (the Hadamard butterfly
-    included). Routed through the ``[BLOCK_R, BLOCK_K / 32, 32]`` block tile and stored as 16
-    contiguous bytes, the e4m3 quantize of x [16384, 4096] takes 0.165 ms on the H200; a plain
-    per-row store after the loop, fewer SASS instructions, takes 0.236 ms (docs/design.md)."""
+    into. A per-row value stored as such pulls the whole chunk (the Hadamard butterfly
+    included) into one element per lane, which costs ~220 warp shuffles per chunk; routed back
+    through the ``[BLOCK_R, BLOCK_K / 32, 32]`` block tile and stored as 16 contiguous bytes, it
+    keeps the layout of the emit pass (a block over two lanes): 1,256 -> 544 SASS instructions
+    for the first pass (``benchmarks/sass_count.py``), 0.236 -> 0.165 ms for the e4m3 quantize
+    of x [16384, 4096] on the H200 (benchmarks/results/hopper_h200.md, runs 17 and 20)."""
     NB: tl.constexpr = BLOCK_K // 32
     t = tl.broadcast_to((e_rowmax[:, None] + 127 + 0 * e)[:, :, None], (BLOCK_R, NB, 32))
     t = tl.reshape(t, (BLOCK_R, BLOCK_K)).to(tl.uint8)
