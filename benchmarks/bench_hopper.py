@@ -454,7 +454,8 @@ def main():
             elif name == "linear":
                 section_linear(res, args.recipes.split(","), shapes, with_reference=not args.no_emulation, with_torchao=False)
             elif name == "torchao":
-                section_linear(res, [], [(14336, 4096)], with_reference=False, with_torchao=True)
+                # the AdaHOP recipes again in the same rows: one BF16 baseline for all
+                section_linear(res, args.recipes.split(","), [(14336, 4096)], with_reference=False, with_torchao=True)
             elif name == "profile":
                 section_profile(res)
             elif name == "memory":
