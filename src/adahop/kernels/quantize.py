@@ -244,9 +244,10 @@ def _mxfp4_quantize_kernel(
 # program, block_k columns per chunk, warps, the longest padded row handled in one chunk (one
 # read instead of two for the e4m3 form), the butterfly form and the E2M1 encoder. Measured on
 # the H200 (benchmarks/results/hopper_h200.md): 16 x 256 with 4 warps and the in-place butterfly
-# was the fastest for 4 of the 5 variants (run 11); single-chunk rows spill registers on long rows
-# (g [16384, 14336]: run 7), so they are off by default; the arithmetic E2M1 encoder beat the
-# compare chains in every variant (run 14: IHT e4m3 0.334 -> 0.277 ms).
+# was the fastest for 4 of the 5 variants (run 11); one chunk per row was slower for every operand
+# of the (14336, 4096) layer, with 1-2 rows and 4-16 warps per program (run 22), so it is off by
+# default; the arithmetic RNE encoder beat the compare chain in every variant (run 14: IHT e4m3
+# 0.334 -> 0.277 ms). (SR is always arithmetic: ``e2m1_sr``.)
 DEFAULT_LAUNCH = dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=0, fwht_inplace=True, arith_e2m1=True)
 LAUNCH_CONFIGS: dict[tuple[int, bool], dict] = {}
 
