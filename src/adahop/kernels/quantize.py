@@ -83,13 +83,17 @@ def _transform(
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _blocks(x, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_MODE: tl.constexpr):
     """Per 32-block: exponent (NaN blocks: -127) and finiteness, as [BLOCK_R, BLOCK_K/32]."""
     xb = tl.reshape(x, (BLOCK_R, BLOCK_K // 32, 32))
-    amax = tl.max(tl.abs(xb), axis=2)
-    # tl.max ignores NaN (fmax semantics): look for it explicitly.
-    has_nan = tl.max((xb != xb).to(tl.int32), axis=2) > 0
-    finite = (~has_nan) & (amax != float("inf"))
+    # A maximum that propagates NaN (tl.max ignores it): NaN and Inf blocks both fail amax < inf.
+    amax = tl.reduce(tl.abs(xb), 2, _max_nan)
+    finite = amax < float("inf")
     e = block_exponent(tl.where(finite, amax, 0.0), SCALE_MODE)
     return e, finite
 
