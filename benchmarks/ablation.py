@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import adahop
-from adahop.policy import table_policy
+from adahop.policy import GEMMS, table_policy
 
 
 def _lv2_forcing(**forced):
@@ -62,7 +62,11 @@ VARIANTS = {
     "lv2_h128": lambda: _lv2_settings(hadamard_size=128),  # a wider Hadamard in every GEMM
     "lv2_signs": lambda: _lv2_settings(random_signs=True),  # random-sign Hadamard (Tseng et al.)
     "lv2_signs_grad_rne": lambda: _lv2_grad_rne(random_signs=True),
+    "lv2_bf16_tail": lambda: adahop.AdaHOPConfig.from_recipe_name("adahop_lv2"),  # + BF16_TAIL
 }
+# Variants whose last fraction of the steps runs every GEMM in BF16 (the higher-precision final
+# phase of Chmiel et al., "FP4 All the Way", 2025): does the end of training repair the gap?
+BF16_TAIL = {"lv2_bf16_tail": 0.1}
 
 
 def run_one(args, name: str, seed: int) -> None:
@@ -83,11 +87,25 @@ def run_one(args, name: str, seed: int) -> None:
     def eval_fn(m):
         return heldout_eval(m, corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size, max_batches=cfg.eval_batches)
 
-    summary = train(cfg, model=model, train_batches=batches, eval_fn=eval_fn)
+    on_step = None
+    if name in BF16_TAIL:
+        switch_at = cfg.steps - round(BF16_TAIL[name] * cfg.steps)
+
+        def on_step(step, m):
+            if step == switch_at:
+                for layer in adahop.adahop_layers(m).values():
+                    layer.set_modes({gemm: "bf16" for gemm in GEMMS})
+
+    summary = train(cfg, model=model, train_batches=batches, eval_fn=eval_fn, on_step=on_step)
     result = {"variant": name, "seed": seed, "steps": summary["steps"], "heldout_loss": summary["final_eval"]["loss"],
               "last_train_losses": summary["losses"][-50:], "tokens_per_s": summary["tokens_per_s"]}
+    # The same weights evaluated with every GEMM in BF16: how much of the gap is the MXFP4
+    # forward at evaluation time, and how much is in the trained weights.
+    for layer in adahop.adahop_layers(model).values():
+        layer.set_modes({gemm: "bf16" for gemm in GEMMS})
+    result["heldout_loss_bf16_eval"] = eval_fn(model)["loss"]
     (out / "ablation.json").write_text(json.dumps(result, indent=1))
-    print(f"[{name} seed {seed}] held-out {result['heldout_loss']:.4f}", flush=True)
+    print(f"[{name} seed {seed}] held-out {result['heldout_loss']:.4f}, BF16 evaluation {result['heldout_loss_bf16_eval']:.4f}", flush=True)
 
 
 def report(out: Path) -> str:
@@ -110,6 +128,21 @@ def report(out: Path) -> str:
         losses = ", ".join(f"{loss[name, s]:.4f}" for s in seeds)
         lines.append(f"| {name} | {len(seeds)} | {statistics.mean(gaps):+.4f} | {per_seed} | {losses} |")
     table = "\n".join(lines) + "\n"
+    # The runs that also evaluated their weights with BF16 GEMMs (older runs did not).
+    bf16_eval = {(r["variant"], r["seed"]): r["heldout_loss_bf16_eval"] for r in runs if "heldout_loss_bf16_eval" in r}
+    if bf16_eval:
+        lines = ["", "Held-out loss with every GEMM in BF16 at evaluation (the same trained weights), gap to the bf16 run:", "",
+                 "| variant | seeds | gap, MXFP4 evaluation (mean) | gap, BF16 evaluation (mean) | BF16-evaluation gap per seed |",
+                 "|---|---|---|---|---|"]
+        for name in VARIANTS:
+            seeds = sorted(seed for (v, seed) in bf16_eval if v == name and seed in base)
+            if not seeds or name == "bf16":
+                continue
+            gaps = [bf16_eval[name, s] - base[s] for s in seeds]
+            mx = [loss[name, s] - base[s] for s in seeds]
+            per_seed = ", ".join(f"s{s}: {g:+.4f}" for s, g in zip(seeds, gaps))
+            lines.append(f"| {name} | {len(seeds)} | {statistics.mean(mx):+.4f} | {statistics.mean(gaps):+.4f} | {per_seed} |")
+        table += "\n".join(lines) + "\n"
     (out / "ablation.md").write_text(table)
     return table
 

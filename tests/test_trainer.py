@@ -84,6 +84,28 @@ def test_resume_gives_the_same_losses(tmp_path):
     assert [r["loss"] for r in read_log(cfg.out_dir)] == full["losses"]
 
 
+def test_on_step_is_called_after_each_step_and_can_switch_modes(tmp_path):
+    """The hook sees every step (from 1) with the model; switching the layers to BF16 there
+    takes effect from the next step, and a resumed run calls it for the remaining steps."""
+    seen = []
+
+    def hook(step, model):
+        seen.append(step)
+        if step == 6:
+            for layer in adahop.adahop_layers(model).values():
+                layer.set_modes({"fprop": "bf16", "dgrad": "bf16", "wgrad": "bf16"})
+
+    cfg = config(tmp_path, ckpt_every=4)
+    model = tiny_model()
+    first = train(cfg, model=model, train_batches=CountingBatches(), stop_after=4, on_step=hook)
+    second = train(cfg, model=tiny_model(), train_batches=CountingBatches(), on_step=hook)
+    assert seen == list(range(1, 9))
+    assert first["steps"] == 4 and len(second["losses"]) == 4
+    state = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints"))
+    layer_states = [v for k, v in state["model"].items() if k.endswith("_extra_state")]
+    assert layer_states and all(st["modes"] == {"fprop": "bf16", "dgrad": "bf16", "wgrad": "bf16"} for st in layer_states)
+
+
 def test_resume_refuses_another_recipe(tmp_path):
     cfg = config(tmp_path, steps=4)
     train(cfg, model=tiny_model(), train_batches=CountingBatches(), stop_after=2)

@@ -143,13 +143,16 @@ def train(
     eval_fn: Callable[[nn.Module], dict] | None = None,
     resume: bool = True,
     stop_after: int | None = None,
+    on_step: Callable[[int, nn.Module], None] | None = None,
 ) -> dict:
     """Train ``model`` (already converted by the caller or not: this function converts it with
     ``cfg.recipe`` if it holds no AdaHOP layer) on ``train_batches`` (an iterator of
     ``(inputs, targets)`` LongTensors with ``state_dict``/``load_state_dict``).
 
-    ``stop_after``: stop after that many steps of this call (to test interruption). Returns a
-    summary: losses per step, final eval, tokens/s, peak memory."""
+    ``stop_after``: stop after that many steps of this call (to test interruption).
+    ``on_step(step, model)``: called after each optimizer step (``step`` counts from 1), before
+    the step's evaluation and checkpoint. Returns a summary: losses per step, final eval,
+    tokens/s, peak memory."""
     cfg.validate()
     out = Path(cfg.out_dir)
     device = resolve_device(cfg.device)
@@ -209,6 +212,8 @@ def train(
         if not math.isfinite(loss_val):
             raise FloatingPointError(f"loss is {loss_val} at step {step} ({cfg.recipe}); stopping")
         losses.append(loss_val)
+        if on_step is not None:
+            on_step(step, model)
         dt = time.perf_counter() - t0
         record = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm,
                   "tokens": step * tokens_per_step, "tok_per_s": tokens_per_step / dt,
