@@ -63,10 +63,11 @@ VARIANTS = {
     "lv2_signs": lambda: _lv2_settings(random_signs=True),  # random-sign Hadamard (Tseng et al.)
     "lv2_signs_grad_rne": lambda: _lv2_grad_rne(random_signs=True),
     "lv2_bf16_tail": lambda: adahop.AdaHOPConfig.from_recipe_name("adahop_lv2"),  # + BF16_TAIL
+    "lv2_bf16_tail25": lambda: adahop.AdaHOPConfig.from_recipe_name("adahop_lv2"),
 }
 # Variants whose last fraction of the steps runs every GEMM in BF16 (the higher-precision final
 # phase of Chmiel et al., "FP4 All the Way", 2025): does the end of training repair the gap?
-BF16_TAIL = {"lv2_bf16_tail": 0.1}
+BF16_TAIL = {"lv2_bf16_tail": 0.1, "lv2_bf16_tail25": 0.25}
 
 
 def run_one(args, name: str, seed: int) -> None:

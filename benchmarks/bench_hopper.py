@@ -9,9 +9,14 @@
            device-to-device copy measured in the same run.
 3. gemm:   hopper_fp8 MXFP4 GEMM (``torch._scaled_mm`` e4m3 row-wise) vs cuBLAS BF16, TFLOP/s.
    split:  operands with few rows (quantized along T), K split over programs vs not.
+   single: one chunk per row (one read) vs the two-pass e4m3 form, per operand of a layer.
+   both:   the gradient's two orientations from one kernel vs two one-orientation calls.
 4. linear: AdaHOPLinear forward + backward per recipe vs BF16 ``nn.Linear`` at T = 16384, and the
            same recipes on the reference backend (fake-quant emulation, what FP4 libraries do on
-           Hopper); torchao float8 (compiled) when torchao imports.
+           Hopper).
+   torchao: torchao float8 rowwise and tensorwise (compiled), with the AdaHOP recipes in the
+           same rows (one BF16 baseline), when torchao imports.
+   profile: where the time of one AdaHOP linear goes (CUDA kernels, host enqueue).
 5. memory: bytes saved for the backward per recipe vs BF16.
 
 Times are ``triton.testing.do_bench`` medians (ms) after warm-up, on random data. Prints short
