@@ -284,6 +284,34 @@ def sr_key(seed: int) -> int:
     return _lowbias32_int(_lowbias32_int(0) ^ seed)
 
 
+def operand_args(
+    K: int, *, block_size: int = 32, scale_mode: str = "even", rounding: str = "rne",
+    hadamard_size: int | None = None, signs_seed: int | None = None, sr_seed: int | None = None,
+) -> dict:
+    """The numerics of one quantized operand as kernel arguments, checked: the padded length
+    ``KP`` of a K-long row (a multiple of ``align`` = max(32, Hadamard size)), the Hadamard's
+    ``log2_h`` and ``norm``, the random-sign and SR keys, the scale-mode id. Shared by
+    ``quantize_operand_triton`` and ``kernels.quantize_both``."""
+    if block_size != 32:
+        raise ValueError(f"the Triton kernels implement MX blocks of 32, got block_size={block_size}")
+    if rounding not in ("rne", "sr"):
+        raise ValueError(f"rounding must be 'rne' or 'sr', got {rounding!r}")
+    if rounding == "sr" and sr_seed is None:
+        raise ValueError("stochastic rounding needs sr_seed")
+    if scale_mode not in SCALE_MODE_IDS:
+        raise ValueError(f"scale_mode must be one of {tuple(SCALE_MODE_IDS)}, got {scale_mode!r}")
+    if hadamard_size is not None and hadamard_size not in HADAMARD_NORM:
+        raise ValueError(f"hadamard_size must be one of {sorted(HADAMARD_NORM)} or None, got {hadamard_size!r}")
+    align = max(32, hadamard_size or 1)
+    return dict(
+        KP=-(-K // align) * align, align=align, log2_h=(hadamard_size or 1).bit_length() - 1,
+        norm=HADAMARD_NORM[hadamard_size] if hadamard_size else 1.0,
+        has_signs=signs_seed is not None, sign_key=_lowbias32_int(signs_seed) if signs_seed is not None else 0,
+        sr=rounding == "sr", sr_key=sr_key(sr_seed) if rounding == "sr" else 0,
+        scale_mode=SCALE_MODE_IDS[scale_mode],
+    )
+
+
 def quantize_operand_triton(
     x: torch.Tensor,
     dim: int,
@@ -314,10 +342,6 @@ def quantize_operand_triton(
     ``sumsq``'s float additions."""
     if x.dim() != 2:
         raise ValueError(f"quantize_operand_triton takes a 2-D operand, got shape {tuple(x.shape)}")
-    if block_size != 32:
-        raise ValueError(f"the Triton kernels implement MX blocks of 32, got block_size={block_size}")
-    if rounding == "sr" and sr_seed is None:
-        raise ValueError("stochastic rounding needs sr_seed")
     dim = dim % 2
     cfg = launch_config(dim, e4m3)
     block_r = cfg["block_r"] if block_r is None else block_r
@@ -328,8 +352,9 @@ def quantize_operand_triton(
     arith_e2m1 = cfg["arith_e2m1"] if arith_e2m1 is None else arith_e2m1
     view = x if dim == 1 else x.t()  # logical [R, K]: K = contraction dim
     R, K = view.shape
-    align = max(32, hadamard_size or 1)
-    KP = -(-K // align) * align
+    op = operand_args(K, block_size=block_size, scale_mode=scale_mode, rounding=rounding,
+                      hadamard_size=hadamard_size, signs_seed=signs_seed, sr_seed=sr_seed)
+    KP, align = op["KP"], op["align"]
     if R * KP >= 2**32:
         raise ValueError(f"operand too large for 32-bit SR counters: {R} x {KP}")
     block_k = max(block_k, align)
@@ -347,7 +372,6 @@ def quantize_operand_triton(
     chunks_per_split = triton.cdiv(n_chunks, min(k_splits, n_chunks)) if n_chunks else 1
     k_splits = max(1, triton.cdiv(n_chunks, chunks_per_split))  # no empty range
     split_k = chunks_per_split * block_k  # a multiple of the chunk: no block or group straddles two
-    log2_h = (hadamard_size or 1).bit_length() - 1
     dev = x.device
     codes = torch.empty((R, KP // 2), dtype=torch.uint8, device=dev) if packed else None
     scales = torch.empty((R, KP // 32), dtype=torch.uint8, device=dev) if packed else None
@@ -363,14 +387,11 @@ def quantize_operand_triton(
         codes if packed else dummy, scales if packed else dummy,
         e4 if e4m3 else dummy, e4.view(torch.uint8) if e4m3 else dummy,
         rs if e4m3 else dummy, ss if sumsq else dummy, epart if two_phase else dummy,
-        R, K, KP, split_k, k_splits,
-        sr_key(sr_seed) if rounding == "sr" else 0,
-        _lowbias32_int(signs_seed) if signs_seed is not None else 0,
-        HADAMARD_NORM[hadamard_size] if hadamard_size else 1.0,
+        R, K, KP, split_k, k_splits, op["sr_key"], op["sign_key"], op["norm"],
     )
     meta = dict(
-        BLOCK_R=block_r, BLOCK_K=block_k, LOG2_H=log2_h, HAS_SIGNS=signs_seed is not None,
-        SCALE_MODE=SCALE_MODE_IDS[scale_mode], SR=rounding == "sr", SINGLE_CHUNK=single,
+        BLOCK_R=block_r, BLOCK_K=block_k, LOG2_H=op["log2_h"], HAS_SIGNS=op["has_signs"],
+        SCALE_MODE=op["scale_mode"], SR=op["sr"], SINGLE_CHUNK=single,
         WRITE_PACKED=packed, WRITE_E4M3=e4m3, WRITE_SUMSQ=sumsq,
         NAN_BY_CAST=os.environ.get("TRITON_INTERPRET") != "1",
         FWHT_INPLACE=fwht_inplace, ARITH_E2M1=arith_e2m1,

@@ -28,10 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from adahop.formats.rng import _lowbias32_int
-from adahop.kernels.mxfp4_math import SCALE_MODE_IDS, pow2
-from adahop.kernels.quantize import _blocks, _emit_chunk, _store_row_exponent, _transform, sr_key
-from adahop.transforms.hadamard import HADAMARD_NORM
+from adahop.kernels.mxfp4_math import pow2
+from adahop.kernels.quantize import _blocks, _emit_chunk, _store_row_exponent, _transform, operand_args
 
 
 @triton.jit
@@ -77,30 +75,6 @@ def _quantize_both_kernel(
                     e4b_ptr, e4b_ptr, e4b_ptr, e4b_bits_ptr, BLOCK_C, BLOCK_R, SR_B, False, True, NAN_BY_CAST, True)
 
 
-def _orientation_args(spec: dict, K: int) -> dict:
-    """Kernel arguments of one orientation from ``quantize_operand_triton``-style keywords."""
-    rounding = spec.get("rounding", "rne")
-    if rounding not in ("rne", "sr"):
-        raise ValueError(f"rounding must be 'rne' or 'sr', got {rounding!r}")
-    if rounding == "sr" and spec.get("sr_seed") is None:
-        raise ValueError("stochastic rounding needs sr_seed")
-    if spec.get("block_size", 32) != 32:
-        raise ValueError(f"the Triton kernels implement MX blocks of 32, got block_size={spec.get('block_size')}")
-    scale_mode = spec.get("scale_mode", "even")
-    if scale_mode not in SCALE_MODE_IDS:
-        raise ValueError(f"scale_mode must be one of {tuple(SCALE_MODE_IDS)}, got {scale_mode!r}")
-    h = spec.get("hadamard_size")
-    if h is not None and h not in HADAMARD_NORM:
-        raise ValueError(f"hadamard_size must be one of {sorted(HADAMARD_NORM)} or None, got {h!r}")
-    signs = spec.get("signs_seed")
-    align = max(32, h or 1)
-    return dict(
-        KP=-(-K // align) * align, align=align, log2_h=(h or 1).bit_length() - 1, has_signs=signs is not None,
-        sign_key=_lowbias32_int(signs) if signs is not None else 0, norm=HADAMARD_NORM[h] if h else 1.0,
-        scale_mode=SCALE_MODE_IDS[scale_mode], sr=rounding == "sr", sr_key=sr_key(spec["sr_seed"]) if rounding == "sr" else 0,
-    )
-
-
 def quantize_both_e4m3(x: torch.Tensor, along_cols: dict, along_rows: dict, *, block_r: int | None = None, block_c: int | None = None, num_warps: int | None = None):
     """Quantize 2-D ``x`` [R, C] along C (``along_cols``: the keywords of
     ``quantize_operand_triton`` for ``dim=1``) and along R (``along_rows``: for ``dim=0``).
@@ -114,8 +88,8 @@ def quantize_both_e4m3(x: torch.Tensor, along_cols: dict, along_rows: dict, *, b
     if x.dim() != 2:
         raise ValueError(f"quantize_both_e4m3 takes a 2-D operand, got shape {tuple(x.shape)}")
     R, C = x.shape
-    a = _orientation_args(along_cols, C)
-    b = _orientation_args(along_rows, R)
+    a = operand_args(C, **along_cols)
+    b = operand_args(R, **along_rows)
     block_c = max(64, a["align"]) if block_c is None else block_c
     block_r = max(64, b["align"]) if block_r is None else block_r
     for name, size, align in (("block_c", block_c, a["align"]), ("block_r", block_r, b["align"])):
