@@ -62,12 +62,11 @@ VARIANTS = {
     "lv2_h128": lambda: _lv2_settings(hadamard_size=128),  # a wider Hadamard in every GEMM
     "lv2_signs": lambda: _lv2_settings(random_signs=True),  # random-sign Hadamard (Tseng et al.)
     "lv2_signs_grad_rne": lambda: _lv2_grad_rne(random_signs=True),
-    "lv2_bf16_tail": lambda: adahop.AdaHOPConfig.from_recipe_name("adahop_lv2"),  # + BF16_TAIL
-    "lv2_bf16_tail25": lambda: adahop.AdaHOPConfig.from_recipe_name("adahop_lv2"),
 }
 # Variants whose last fraction of the steps runs every GEMM in BF16 (the higher-precision final
 # phase of Chmiel et al., "FP4 All the Way", 2025): does the end of training repair the gap?
 BF16_TAIL = {"lv2_bf16_tail": 0.1, "lv2_bf16_tail25": 0.25}
+VARIANTS.update({name: VARIANTS["lv2"] for name in BF16_TAIL})  # lv2 until the tail
 
 
 def run_one(args, name: str, seed: int) -> None:
@@ -88,16 +87,15 @@ def run_one(args, name: str, seed: int) -> None:
     def eval_fn(m):
         return heldout_eval(m, corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size, max_batches=cfg.eval_batches)
 
-    on_step = None
-    if name in BF16_TAIL:
-        switch_at = cfg.steps - round(BF16_TAIL[name] * cfg.steps)
+    switch_at = cfg.steps - round(BF16_TAIL[name] * cfg.steps) if name in BF16_TAIL else None
 
-        def on_step(step, m):
-            if step == switch_at:
-                for layer in adahop.adahop_layers(m).values():
-                    layer.set_modes({gemm: "bf16" for gemm in GEMMS})
+    def to_bf16_at_switch(step, m):
+        if step == switch_at:
+            for layer in adahop.adahop_layers(m).values():
+                layer.set_modes({gemm: "bf16" for gemm in GEMMS})
 
-    summary = train(cfg, model=model, train_batches=batches, eval_fn=eval_fn, on_step=on_step)
+    summary = train(cfg, model=model, train_batches=batches, eval_fn=eval_fn,
+                    on_step=to_bf16_at_switch if switch_at is not None else None)
     result = {"variant": name, "seed": seed, "steps": summary["steps"], "heldout_loss": summary["final_eval"]["loss"],
               "last_train_losses": summary["losses"][-50:], "tokens_per_s": summary["tokens_per_s"]}
     # The same weights evaluated with every GEMM in BF16: how much of the gap is the MXFP4

@@ -62,6 +62,17 @@ def bench(fn, rep=100):
     return do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
+def same_bits(a: dict, b: dict) -> bool:
+    """Two outputs of the quantize kernels (``quantize_operand_triton``'s dicts) are bit-identical:
+    the e4m3 bytes and row scales, and the packed codes and scale bytes, whichever are there."""
+    same = True
+    if "e4m3" in a:
+        same &= torch.equal(a["e4m3"].view(torch.uint8), b["e4m3"].view(torch.uint8)) and torch.equal(a["row_scale"], b["row_scale"])
+    if "mx" in a:
+        same &= torch.equal(a["mx"].codes, b["mx"].codes) and torch.equal(a["mx"].scale_e8m0, b["mx"].scale_e8m0)
+    return bool(same)
+
+
 def rel(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()
@@ -198,9 +209,7 @@ def section_split(res):
         kw = dict(dim=dim, hadamard_size=32, e4m3=e4m3, packed=not e4m3)
         one = quantize_operand_triton(x, k_splits=1, **kw)
         auto = quantize_operand_triton(x, **kw)
-        key = "e4m3" if e4m3 else "mx"
-        same = (torch.equal(one["e4m3"].view(torch.uint8), auto["e4m3"].view(torch.uint8)) and torch.equal(one["row_scale"], auto["row_scale"])
-                if e4m3 else torch.equal(one[key].codes, auto[key].codes) and torch.equal(one[key].scale_e8m0, auto[key].scale_e8m0))
+        same = same_bits(one, auto)
         t1 = bench(lambda: quantize_operand_triton(x, k_splits=1, **kw), rep=50)  # noqa: B023
         ta = bench(lambda: quantize_operand_triton(x, **kw), rep=50)  # noqa: B023
         rows.append(dict(case=name, ms_one_range=t1, ms_auto_split=ta, speedup=t1 / ta, bit_exact=same))
@@ -233,11 +242,7 @@ def section_single(res, N=14336, K=4096):
         for br, warps in ((1, 4), (1, 8), (1, 16), (2, 8), (2, 16)):
             cfg = dict(single_chunk_max=KP, block_r=br, num_warps=warps)
             try:
-                out = quantize_operand_triton(t, **cfg, **kw)
-                if "e4m3" in out:
-                    same = torch.equal(out["e4m3"].view(torch.uint8), base["e4m3"].view(torch.uint8)) and torch.equal(out["row_scale"], base["row_scale"])
-                else:
-                    same = torch.equal(out["mx"].codes, base["mx"].codes) and torch.equal(out["mx"].scale_e8m0, base["mx"].scale_e8m0)
+                same = same_bits(quantize_operand_triton(t, **cfg, **kw), base)
                 row[f"single_r{br}_w{warps}_ms"] = bench(lambda: quantize_operand_triton(t, **cfg, **kw), rep=50)  # noqa: B023
                 row[f"single_r{br}_w{warps}_bit_exact"] = same
             except Exception as e:
@@ -269,9 +274,7 @@ def section_both(res):
             key = f"tile{br}x{bc}_w{warps}"
             try:
                 got = quantize_both_e4m3(g, cols, rws, block_r=br, block_c=bc, num_warps=warps)
-                row[key + "_bit_exact"] = all(
-                    torch.equal(a["e4m3"].view(torch.uint8), b["e4m3"].view(torch.uint8)) and torch.equal(a["row_scale"], b["row_scale"])
-                    for a, b in zip(got, want))
+                row[key + "_bit_exact"] = all(same_bits(a, b) for a, b in zip(got, want))
                 row[key + "_ms"] = bench(lambda: quantize_both_e4m3(g, cols, rws, block_r=br, block_c=bc, num_warps=warps), rep=50)  # noqa: B023
             except Exception as e:
                 row[key + "_ms"] = f"{type(e).__name__}: {e}"[:120]
