@@ -8,6 +8,9 @@
 2. quant:  fused quantize kernels, GB/s of bytes moved (read + written) against a
            device-to-device copy measured in the same run.
 3. gemm:   hopper_fp8 MXFP4 GEMM (``torch._scaled_mm`` e4m3 row-wise) vs cuBLAS BF16, TFLOP/s.
+   mx:     the native_mx GEMM (``tl.dot_scaled`` on packed MXFP4) against the reference GEMM and
+           timed next to cuBLAS BF16 and hopper_fp8: on Hopper Triton emulates it through BF16,
+           which is why the backend is refused there.
    split:  operands with few rows (quantized along T), K split over programs vs not.
    single: one chunk per row (one read) vs the two-pass e4m3 form, per operand of a layer.
    both:   the gradient's two orientations from one kernel vs two one-orientation calls.
@@ -304,6 +307,30 @@ def section_gemm(res):
     res["gemm"] = rows
 
 
+def section_mx(res):
+    from adahop.kernels.mx_gemm import mxfp4_gemm_nt
+
+    rows = []
+    hop = get_backend("hopper_fp8", "cuda")
+    for M, N, K in [(8192, 8192, 8192), (T, 14336, 4096)]:
+        a, b = activation((M, K), seed=1), activation((N, K), seed=2)
+        spec = OperandSpec()
+        pa, pb = hop.quantize_packed(a, 1, spec), hop.quantize_packed(b, 1, spec)
+        c = mxfp4_gemm_nt(pa, pb, torch.float32)
+        fa, fb = dequantize_mxfp4(pa, keep_padding=True), dequantize_mxfp4(pb, keep_padding=True)
+        err = rel(c, fa @ fb.t())
+        del fa, fb, c
+        qa, qb = hop.as_e4m3(pa), hop.as_e4m3(pb)
+        t_bf16 = bench(lambda: a @ b.t())
+        t_mx = bench(lambda: mxfp4_gemm_nt(pa, pb, torch.bfloat16))
+        t_fp8 = bench(lambda: hop.mm_nt(qa, qb, torch.bfloat16))
+        flops = 2 * M * N * K
+        rows.append(dict(shape=(M, N, K), rel_err_vs_reference=err, bf16_TFLOPs=flops / t_bf16 / 1e9,
+                         dot_scaled_TFLOPs=flops / t_mx / 1e9, hopper_fp8_TFLOPs=flops / t_fp8 / 1e9,
+                         dot_scaled_vs_bf16=t_bf16 / t_mx))
+    res["mx"] = rows
+
+
 # ---- 4. linear ----------------------------------------------------------------------------------
 def make_layer(recipe, N, K, backend):
     lin = torch.nn.Linear(K, N, bias=False, device="cuda")
@@ -451,6 +478,8 @@ def main():
                 section_check(res)
             elif name == "quant":
                 section_quant(res)
+            elif name == "mx":
+                section_mx(res)
             elif name == "split":
                 section_split(res)
             elif name == "single":

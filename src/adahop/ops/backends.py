@@ -12,12 +12,16 @@ A backend has three operations, all in the NT form of ``ops.operand``:
   are what ``quantize`` returned, or ``MXFP4Tensor``s.
 
 Backends: ``reference`` (pure PyTorch, CPU and any GPU), ``triton`` (the fused Triton quantize
-kernel + the reference GEMM; also under ``TRITON_INTERPRET=1`` on the CPU) and ``hopper_fp8``
+kernel + the reference GEMM; also under ``TRITON_INTERPRET=1`` on the CPU), ``hopper_fp8``
 (Triton quantize to e4m3 + row scales, ``torch._scaled_mm`` on FP8 tensor cores: CUDA GPUs of
-compute capability 8.9 or 9.x). ``auto`` picks ``hopper_fp8`` where it runs, else ``reference``.
-Native MX tensor cores (Blackwell, CDNA4) would register here as ``native_mx``; on Hopper,
-Triton's ``tl.dot_scaled`` upcasts to BF16 and runs 3x slower than BF16, so it is never chosen
-there. Asking for a backend that cannot run is an error, never a silent fallback.
+compute capability 8.9 or more) and ``native_mx`` (the packed MXFP4 operands into
+``tl.dot_scaled``: only GPUs with MX tensor cores, NVIDIA compute capability 10.0 or more, AMD
+gfx950). On Hopper, Triton's ``tl.dot_scaled`` upcasts to BF16 and runs 3x slower than BF16, so
+``native_mx`` is refused there, even when asked for by name.
+
+``auto`` picks ``native_mx`` on MX tensor cores, else ``hopper_fp8`` on FP8 tensor cores, else
+``reference``. Asking for a backend that cannot run is an error naming why, never a silent
+fallback.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ class ReferenceBackend:
         return (a_f32 @ b_f32.t()).to(out_dtype)
 
 
-BACKEND_NAMES = ("reference", "triton", "hopper_fp8")
+BACKEND_NAMES = ("reference", "triton", "hopper_fp8", "native_mx")
 
 
 def triton_available() -> bool:
@@ -70,6 +74,19 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def mx_tensor_core_arch(device) -> str | None:
+    """The architecture name of ``device`` if it has MX (block-scaled FP4) tensor cores, else None:
+    NVIDIA compute capability 10.x and above (Blackwell), AMD gfx950 (CDNA4)."""
+    dev = _device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return None
+    if getattr(torch.version, "hip", None):
+        arch = torch.cuda.get_device_properties(dev).gcnArchName.split(":")[0]
+        return arch if arch == "gfx950" else None
+    major, minor = torch.cuda.get_device_capability(dev)
+    return f"sm_{major}{minor}" if major >= 10 else None
 
 
 def _device(device) -> torch.device:
@@ -81,7 +98,7 @@ def unavailable_reason(name: str, device=None) -> str | None:
     if name not in BACKEND_NAMES:
         return f"unknown backend {name!r}; known: {('auto',) + BACKEND_NAMES}"
     dev = _device(device)
-    if name in ("triton", "hopper_fp8") and not triton_available():
+    if name in ("triton", "hopper_fp8", "native_mx") and not triton_available():
         return f"backend {name!r} needs triton (pip install triton)"
     if name == "triton" and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return "backend 'triton' runs on the CPU only under TRITON_INTERPRET=1"
@@ -90,6 +107,14 @@ def unavailable_reason(name: str, device=None) -> str | None:
             return f"backend 'hopper_fp8' needs a CUDA GPU, got device {dev}"
         if torch.cuda.get_device_capability(dev) < (8, 9):
             return "backend 'hopper_fp8' needs FP8 tensor cores (compute capability >= 8.9)"
+    if name == "native_mx":
+        if dev.type != "cuda" or not torch.cuda.is_available():
+            return f"backend 'native_mx' needs a GPU with MX tensor cores, got device {dev}"
+        if mx_tensor_core_arch(dev) is None:
+            return ("backend 'native_mx' needs MX tensor cores (NVIDIA compute capability >= 10.0, "
+                    f"AMD gfx950), and {torch.cuda.get_device_name(dev)} has none: there "
+                    "tl.dot_scaled is emulated through BF16 at a third of BF16's speed; use "
+                    "'hopper_fp8' (FP8 tensor cores) or 'auto'")
     return None
 
 
@@ -97,10 +122,10 @@ _INSTANCES: dict = {}
 
 
 def get_backend(name: str = "auto", device: torch.device | str | None = None):
-    """The backend called ``name`` for ``device``; ``"auto"`` picks ``hopper_fp8`` where it can
-    run, else ``reference``."""
+    """The backend called ``name`` for ``device``; ``"auto"`` picks the first of ``native_mx``,
+    ``hopper_fp8`` and ``reference`` that can run there."""
     if name == "auto":
-        name = "hopper_fp8" if unavailable_reason("hopper_fp8", device) is None else "reference"
+        name = next(n for n in ("native_mx", "hopper_fp8", "reference") if unavailable_reason(n, device) is None)
     reason = unavailable_reason(name, device)
     if reason is not None:
         raise ValueError(reason)
@@ -108,9 +133,13 @@ def get_backend(name: str = "auto", device: torch.device | str | None = None):
         if name == "reference":
             _INSTANCES[name] = ReferenceBackend()
         else:
-            from adahop.ops.kernel_backends import HopperFP8Backend, TritonBackend
+            from adahop.ops import kernel_backends
 
-            _INSTANCES[name] = TritonBackend() if name == "triton" else HopperFP8Backend()
+            _INSTANCES[name] = {
+                "triton": kernel_backends.TritonBackend,
+                "hopper_fp8": kernel_backends.HopperFP8Backend,
+                "native_mx": kernel_backends.NativeMXBackend,
+            }[name]()
     return _INSTANCES[name]
 
 

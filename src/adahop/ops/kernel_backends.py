@@ -1,4 +1,5 @@
-"""Backends built on the Triton kernels (``adahop.kernels``): ``triton`` and ``hopper_fp8``.
+"""Backends built on the Triton kernels (``adahop.kernels``): ``triton``, ``hopper_fp8`` and
+``native_mx``.
 
 ``triton``: the fused quantize kernel produces the packed MXFP4 operand, the GEMM is the
 reference's (dequantize + float32 matmul). It runs wherever Triton runs, the CPU interpreter
@@ -13,6 +14,9 @@ then computes ``sum_k a_e4m3 b_e4m3`` (products exact in fp32, fp32 accumulation
 ``use_fast_accum=False``) times ``scale_a[m] * scale_b[n]`` (powers of two: exact), so the result
 is the MXFP4 GEMM up to fp32 accumulation order. Row-wise ``_scaled_mm`` writes bf16; for other
 output dtypes we run it with unit scales into float32 and apply the two scales ourselves.
+
+``native_mx``: the packed MXFP4 operands (what the quantize kernel writes) straight into
+``tl.dot_scaled`` (``kernels.mx_gemm``): the block-scaled MMA of GPUs with MX tensor cores.
 
 Outlier extraction: the caller overwrites the output slices of the extracted rows/columns with
 their high-precision result, and MXFP4 quantizes each outer slice on its own, so zeroing those
@@ -135,3 +139,22 @@ class HopperFP8Backend:
             c = torch._scaled_mm(a_e4, b_e4.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=self.use_fast_accum)
             c = (c * a_s * b_s).to(out_dtype)
         return c[:M, :N]
+
+
+class NativeMXBackend:
+    """Packed MXFP4 operands into ``tl.dot_scaled`` (``kernels.mx_gemm``): GPUs with MX tensor
+    cores. ``ops.backends`` never offers it on Hopper, where ``tl.dot_scaled`` is emulated
+    through BF16 at a third of BF16's speed; the class itself runs wherever Triton does (the CPU
+    interpreter with an in-kernel decode in place of the MMA), which is how it is tested."""
+
+    name = "native_mx"
+
+    def quantize(self, x, dim, spec: OperandSpec, zero_outer=None) -> MXFP4Tensor:
+        return TritonBackend().quantize_packed(x, dim, spec, zero_outer)
+
+    quantize_packed = quantize
+
+    def mm_nt(self, a: MXFP4Tensor, b: MXFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        from adahop.kernels.mx_gemm import mxfp4_gemm_nt
+
+        return mxfp4_gemm_nt(a, b, out_dtype)
