@@ -84,6 +84,27 @@ def test_resume_gives_the_same_losses(tmp_path):
     assert [r["loss"] for r in read_log(cfg.out_dir)] == full["losses"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the checkpoint is loaded onto a GPU")
+def test_resume_on_a_gpu_gives_the_same_losses(tmp_path):
+    """The trainer loads a checkpoint onto its device; the RNG states inside must still restore
+    (torch's generators take CPU byte tensors: this failed on the H200 before the fix)."""
+    kw = dict(ckpt_every=4, device="cuda")
+    full = train(config(tmp_path / "a", **kw), model=tiny_model(), train_batches=CountingBatches())
+    cfg = config(tmp_path / "b", **kw)
+    first = train(cfg, model=tiny_model(), train_batches=CountingBatches(), stop_after=4)
+    second = train(cfg, model=tiny_model(seed=123), train_batches=CountingBatches(seed=99))
+    assert first["losses"] + second["losses"] == full["losses"]
+
+
+def test_rng_state_restores_from_a_loaded_checkpoint(tmp_path):
+    torch.manual_seed(5)
+    state = ckpt.rng_state()
+    want = torch.rand(3)
+    ckpt.save_checkpoint(tmp_path, 1, {"rng": state})
+    ckpt.set_rng_state(ckpt.load_checkpoint(tmp_path / "step_000000001.pt")["rng"])
+    assert torch.equal(torch.rand(3), want)
+
+
 def test_on_step_is_called_after_each_step_and_can_switch_modes(tmp_path):
     """The hook sees every step (from 1) with the model; switching the layers to BF16 there
     takes effect from the next step, and a resumed run calls it for the remaining steps."""

@@ -42,11 +42,13 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
+    """Restore ``rng_state()``'s states. The trainer loads checkpoints onto its device, so the
+    state tensors may arrive on the GPU: the generators take CPU byte tensors."""
+    torch.set_rng_state(state["torch"].cpu())
+    np.random.set_state(("MT19937", state["numpy"].cpu().numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
     random.setstate((3, tuple(state["python"]), None))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def save_checkpoint(folder: str | os.PathLike, step: int, state: dict, *, keep: int = 2) -> Path:
