@@ -161,7 +161,8 @@ def compare_runs(run_dirs, plot_path=None) -> str:
         lines.append(f"| {recipe} | {steps} | {loss:.4f} | {gap} | {tps or 0:.0f} | {steady or 0:.0f} | {speed} | {mem_s} |")
     table = "\n".join(lines)
     if plot_path:
-        plot_loss_curves(curves, plot_path, title="training loss by recipe")
+        plot_loss_curves(curves, plot_path, title="training loss by recipe",
+                         baseline="bf16" if "bf16" in curves else None)
     return table
 
 

@@ -1,4 +1,10 @@
-"""Loss curves of several runs in one PNG (matplotlib, headless)."""
+"""Loss curves of several runs in one PNG (matplotlib, headless).
+
+The recipes' curves lie within a few hundredths of a nat of each other, invisible on a plot that
+spans the whole descent, so a second panel shows each run's training loss minus the baseline
+run's at the same step. The runs share data order and seed, so the step-by-step difference is a
+paired one: a moving average of it is far less noisy than either curve.
+"""
 
 from __future__ import annotations
 
@@ -6,32 +12,63 @@ import os
 from pathlib import Path
 
 
-def plot_loss_curves(runs: dict[str, list[dict]], path: str | os.PathLike, *, title: str = "", smooth: int = 10) -> Path:
+def moving_average(values, k: int) -> list[float]:
+    """Trailing mean over ``k`` values (fewer at the start)."""
+    out, acc = [], 0.0
+    for j, v in enumerate(values):
+        acc += v
+        if j >= k:
+            acc -= values[j - k]
+        out.append(acc / min(j + 1, k))
+    return out
+
+
+def plot_loss_curves(runs: dict[str, list[dict]], path: str | os.PathLike, *, title: str = "", smooth: int = 10,
+                     baseline: str | None = None, gap_smooth: int = 50) -> Path:
     """``runs``: name -> training log records (``step``, ``loss``). Draws the raw loss faintly and
-    a moving average of ``smooth`` steps on top; writes ``path`` (PNG)."""
+    a moving average of ``smooth`` steps on top. With ``baseline`` (a name in ``runs``), a lower
+    panel shows every other run's loss minus the baseline's at the steps both logged, averaged
+    over ``gap_smooth`` steps. Writes ``path`` (PNG)."""
     try:
         import matplotlib
     except ImportError as e:
         raise ValueError("plotting needs matplotlib: pip install matplotlib (or adahop[train])") from e
+    if baseline is not None and baseline not in runs:
+        raise ValueError(f"baseline {baseline!r} is not one of the runs {list(runs)}")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    for i, (name, records) in enumerate(runs.items()):
-        pts = [(r["step"], r["loss"]) for r in records if "loss" in r]
-        if not pts:
+    curves = {name: dict((r["step"], r["loss"]) for r in records if "loss" in r) for name, records in runs.items()}
+    with_gap = baseline is not None and len(runs) > 1
+    if with_gap:
+        fig, (ax, ax_gap) = plt.subplots(2, 1, figsize=(8, 7.5), dpi=120, sharex=True,
+                                         gridspec_kw={"height_ratios": [3, 2]})
+    else:
+        fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    for i, (name, curve) in enumerate(curves.items()):
+        if not curve:
             continue
-        steps, losses = zip(*pts)
+        steps, losses = zip(*sorted(curve.items()))
         color = f"C{i % 10}"
         ax.plot(steps, losses, color=color, alpha=0.25, linewidth=0.8)
-        k = max(1, min(smooth, len(losses)))
-        avg = [sum(losses[max(0, j - k + 1): j + 1]) / len(losses[max(0, j - k + 1): j + 1]) for j in range(len(losses))]
-        ax.plot(steps, avg, color=color, linewidth=1.6, label=name)
-    ax.set_xlabel("step")
+        ax.plot(steps, moving_average(losses, max(1, smooth)), color=color, linewidth=1.6, label=name)
+        if with_gap and name != baseline:
+            both = sorted(set(curve) & set(curves[baseline]))
+            if both:
+                diff = [curve[s] - curves[baseline][s] for s in both]
+                ax_gap.plot(both, moving_average(diff, max(1, gap_smooth)), color=color, linewidth=1.4, label=name)
     ax.set_ylabel("training loss (nats/token)")
     ax.set_title(title or "training loss")
     ax.grid(alpha=0.3)
     ax.legend()
+    if with_gap:
+        ax_gap.axhline(0.0, color="black", linewidth=0.8)
+        ax_gap.set_ylabel(f"loss - {baseline} ({gap_smooth}-step mean)")
+        ax_gap.set_xlabel("step")
+        ax_gap.grid(alpha=0.3)
+        ax_gap.legend(fontsize=8)
+    else:
+        ax.set_xlabel("step")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
