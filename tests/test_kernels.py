@@ -141,6 +141,10 @@ def test_backend_dispatch():
     with pytest.raises(ValueError, match="known"):
         get_backend("native_fp4")
     assert unavailable_reason("triton", DEVICE) is None
+    if not torch.cuda.is_available():  # a CUDA device asked for where there is none: a reason, no crash
+        for name in ("hopper_fp8", "native_mx"):
+            assert "got device cuda" in unavailable_reason(name, "cuda")
+        assert get_backend("auto", "cuda").name == "reference"
 
 
 def _run(layer, x, g):

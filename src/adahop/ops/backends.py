@@ -103,7 +103,7 @@ def unavailable_reason(name: str, device=None) -> str | None:
     if name == "triton" and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return "backend 'triton' runs on the CPU only under TRITON_INTERPRET=1"
     if name == "hopper_fp8":
-        if dev.type != "cuda":
+        if dev.type != "cuda" or not torch.cuda.is_available():
             return f"backend 'hopper_fp8' needs a CUDA GPU, got device {dev}"
         if torch.cuda.get_device_capability(dev) < (8, 9):
             return "backend 'hopper_fp8' needs FP8 tensor cores (compute capability >= 8.9)"
