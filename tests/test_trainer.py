@@ -127,6 +127,42 @@ def test_on_step_is_called_after_each_step_and_can_switch_modes(tmp_path):
     assert layer_states and all(st["modes"] == {"fprop": "bf16", "dgrad": "bf16", "wgrad": "bf16"} for st in layer_states)
 
 
+def test_a_non_finite_loss_stops_before_any_checkpoint(tmp_path):
+    """Losses are read back every ``sync_every`` steps: a NaN from step 4 is caught at the next
+    read, the error names its step, and no checkpoint holds the poisoned state."""
+
+    def poison(step, model):
+        if step == 3:
+            with torch.no_grad():
+                next(model.parameters()).fill_(float("nan"))
+
+    cfg = config(tmp_path, recipe="bf16", steps=8, sync_every=10, ckpt_every=6)
+    with pytest.raises(FloatingPointError, match="at step 4"):
+        train(cfg, model=tiny_model(), train_batches=CountingBatches(), on_step=poison)
+    assert ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints") is None
+    assert read_log(cfg.out_dir) == []
+
+
+def test_every_step_is_logged_whatever_the_sync_interval(tmp_path):
+    evals = []
+
+    def eval_fn(model):
+        evals.append(1)
+        return {"loss": 1.0}
+
+    per_step = train(config(tmp_path / "a", sync_every=1), model=tiny_model(), train_batches=CountingBatches())
+    cfg = config(tmp_path / "b", sync_every=3, eval_every=4)
+    batched = train(cfg, model=tiny_model(), train_batches=CountingBatches(), eval_fn=eval_fn)
+    assert batched["losses"] == per_step["losses"]
+    log = read_log(cfg.out_dir)
+    steps = [r for r in log if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert all(isinstance(r["loss"], float) and r["tok_per_s"] > 0 and r["grad_norm"] >= 0 for r in steps)
+    assert [r["step"] for r in log if "eval" in r] == [4] and len(evals) == 2  # step 4, and the end
+    with pytest.raises(ValueError, match="sync_every"):
+        config(tmp_path, sync_every=0).validate()
+
+
 def test_resume_refuses_another_recipe(tmp_path):
     cfg = config(tmp_path, steps=4)
     train(cfg, model=tiny_model(), train_batches=CountingBatches(), stop_after=2)

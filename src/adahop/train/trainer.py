@@ -57,6 +57,7 @@ class TrainConfig:
     device: str = "auto"
     autocast: str = "auto"  # "bf16", "none", or "auto": bf16 on CUDA, none on CPU
     log_every: int = 1
+    sync_every: int = 10  # read losses back from the device every this many steps (see train())
     eval_every: int = 0  # 0: only at the end
     eval_batches: int = 8
     ckpt_every: int = 0  # 0: only at the end
@@ -67,7 +68,7 @@ class TrainConfig:
     def validate(self) -> None:
         if self.recipe not in adahop.RECIPES:
             raise ValueError(f"unknown recipe {self.recipe!r}; known: {tuple(adahop.RECIPES)}")
-        for name in ("steps", "batch_size", "grad_accum", "seq_len", "calibration_steps", "oe_k", "eval_batches"):
+        for name in ("steps", "batch_size", "grad_accum", "seq_len", "calibration_steps", "oe_k", "eval_batches", "sync_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -189,13 +190,43 @@ def train(
     losses, t_start, steps_done = [], time.perf_counter(), 0
     step = start_step
     eval_result = None
+    # Steps whose loss and gradient norm are still on the device. Reading them back is a host-
+    # device sync; doing it every step would keep the host from queueing the next step's kernels
+    # while the GPU works, so they are read every ``sync_every`` steps (and before any
+    # evaluation, checkpoint or the end). Every step still gets its own log record.
+    pending: list[tuple[dict, torch.Tensor, torch.Tensor]] = []
+    t_window = time.perf_counter()
+
+    def flush(evaluate: bool = False) -> None:
+        """Read the pending steps back (one sync), check them, then evaluate (``evaluate``: into
+        the last step's record, outside the timed window) and log them."""
+        nonlocal t_window
+        if not pending:
+            return
+        values = torch.stack([torch.stack((loss, norm)) for _, loss, norm in pending]).tolist()
+        rate = len(pending) * tokens_per_step / max(time.perf_counter() - t_window, 1e-9)
+        for (record, _, _), (loss_val, _) in zip(pending, values):
+            if not math.isfinite(loss_val):
+                raise FloatingPointError(f"loss is {loss_val} at step {record['step']} ({cfg.recipe}); stopping")
+        if evaluate:
+            pending[-1][0]["eval"] = eval_fn(model)
+        for (record, _, _), (loss_val, grad_norm) in zip(pending, values):
+            record.update(loss=loss_val, grad_norm=grad_norm, tok_per_s=rate)
+            losses.append(loss_val)
+            if cfg.log_every and (record["step"] % cfg.log_every == 0 or record["step"] == cfg.steps):
+                log.write(record)
+        if bar is not None:
+            bar.set_postfix(loss=f"{values[-1][0]:.4f}", tok_s=f"{rate:.0f}")
+            bar.update(len(pending))
+        pending.clear()
+        t_window = time.perf_counter()
+
     while step < cfg.steps:
-        t0 = time.perf_counter()
         lr = lr_at(step, cfg)
         for group in opt.param_groups:
             group["lr"] = lr
         opt.zero_grad(set_to_none=True)
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), device=device)
         for _ in range(cfg.grad_accum):
             inputs, targets = next(train_batches)
             inputs, targets = inputs.to(device), targets.to(device)
@@ -203,36 +234,30 @@ def train(
                 logits = model(inputs)
             loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
             (loss / cfg.grad_accum).backward()
-            loss_sum += loss.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         step += 1
         steps_done += 1
-        loss_val = loss_sum / cfg.grad_accum
-        if not math.isfinite(loss_val):
-            raise FloatingPointError(f"loss is {loss_val} at step {step} ({cfg.recipe}); stopping")
-        losses.append(loss_val)
         if on_step is not None:
             on_step(step, model)
-        dt = time.perf_counter() - t0
-        record = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm,
-                  "tokens": step * tokens_per_step, "tok_per_s": tokens_per_step / dt,
+        record = {"step": step, "loss": None, "lr": lr, "grad_norm": None,
+                  "tokens": step * tokens_per_step, "tok_per_s": None,
                   "calibrated": adahop.is_calibrated(model)}
-        if cfg.eval_every and step % cfg.eval_every == 0 and eval_fn is not None and step < cfg.steps:
-            record["eval"] = eval_fn(model)
-        if cfg.log_every and (step % cfg.log_every == 0 or step == cfg.steps):
-            log.write(record)
-        if bar is not None:
-            bar.set_postfix(loss=f"{loss_val:.4f}", tok_s=f"{record['tok_per_s']:.0f}")
-            bar.update(1)
+        pending.append((record, loss_sum / cfg.grad_accum, grad_norm.float()))
         last = step == cfg.steps or (stop_after is not None and steps_done >= stop_after)
-        if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or last:
+        do_eval = bool(cfg.eval_every and step % cfg.eval_every == 0 and eval_fn is not None and step < cfg.steps)
+        do_ckpt = bool(cfg.ckpt_every and step % cfg.ckpt_every == 0) or last
+        if do_eval or do_ckpt or len(pending) >= cfg.sync_every:
+            flush(evaluate=do_eval)  # raises before a checkpoint could hold a non-finite step
+        if do_ckpt:
             save_checkpoint(ckpt_dir, step, {
                 "step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
                 "data": train_batches.state_dict(), "rng": rng_state(), "config": asdict(cfg),
             }, keep=cfg.keep_checkpoints)
         if stop_after is not None and steps_done >= stop_after:
             break
+    flush()
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - t_start
