@@ -63,6 +63,22 @@ def test_quantize_kernel_bit_exact(shape, dim, h, signs, mode, rounding, dtype):
     assert_same_mx(got, ref)
 
 
+@pytest.mark.parametrize("sr_seed,signs_seed,big_keys", [(2, 3, (True, False)), (3, 2, (False, True)), (7, 8, (True, True))])
+def test_hash_keys_of_either_sign_as_int32(sr_seed, signs_seed, big_keys):
+    """The SR and sign keys reach the kernel as int32 (one compiled kernel for every key): keys
+    at or above 2**31 arrive negative and must give the reference's bits all the same."""
+    from adahop.kernels.quantize import _lowbias32_int, as_int32, operand_args, sr_key
+
+    args = operand_args(64, rounding="sr", hadamard_size=32, signs_seed=signs_seed, sr_seed=sr_seed)
+    assert args["sr_key"] == as_int32(sr_key(sr_seed)) and args["sign_key"] == as_int32(_lowbias32_int(signs_seed))
+    assert all(-(2**31) <= args[k] < 2**31 for k in ("sr_key", "sign_key"))
+    assert (sr_key(sr_seed) >= 2**31, _lowbias32_int(signs_seed) >= 2**31) == big_keys  # the cases cover both
+    x = make((16, 64), torch.bfloat16, seed=sr_seed)
+    spec = OperandSpec(rounding="sr", hadamard_size=32, signs_seed=signs_seed, sr_seed=sr_seed)
+    got = quantize_operand_triton(x, 1, rounding="sr", hadamard_size=32, signs_seed=signs_seed, sr_seed=sr_seed)["mx"]
+    assert_same_mx(got, quantize_operand(x, 1, spec))
+
+
 def test_quantize_kernel_special_values():
     x = make((16, 96))
     x[0, 5] = float("nan")

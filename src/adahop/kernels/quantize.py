@@ -188,7 +188,7 @@ def _load_row_exponent(epart_ptr, rows, row_ok):
     return tl.load(epart_ptr + rows.to(tl.int64) * 16, mask=row_ok, other=0).to(tl.int32) - 127
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sr_key", "sign_key"])
 def _mxfp4_quantize_kernel(
     x_ptr, stride_r, stride_k,
     codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, rowscale_ptr, sumsq_ptr, epart_ptr,
@@ -279,6 +279,16 @@ def auto_k_splits(row_programs: int, n_chunks: int, device: torch.device) -> int
     return max(1, min(n_chunks, -(-target // row_programs)))
 
 
+def as_int32(key: int) -> int:
+    """A 32-bit hash key as the signed int32 with the same bits. Triton types a Python int by
+    its value (i32 below 2**31, i64 above) and specializes on divisibility by 16 and on 1, so
+    random keys passed as they are would compile each kernel up to five times, once per kind of
+    key met (seconds each, in the middle of training). As int32, and with the key arguments
+    marked ``do_not_specialize``, every key takes the same compiled kernel; the kernels read it
+    back as uint32, the same bits."""
+    return key - (1 << 32) if key >= 1 << 31 else key
+
+
 def sr_key(seed: int) -> int:
     """Per-element key of the SR hash for counters below 2**32 (formats.rng: counter >> 32 = 0)."""
     return _lowbias32_int(_lowbias32_int(0) ^ seed)
@@ -306,8 +316,8 @@ def operand_args(
     return dict(
         KP=-(-K // align) * align, align=align, log2_h=(hadamard_size or 1).bit_length() - 1,
         norm=HADAMARD_NORM[hadamard_size] if hadamard_size else 1.0,
-        has_signs=signs_seed is not None, sign_key=_lowbias32_int(signs_seed) if signs_seed is not None else 0,
-        sr=rounding == "sr", sr_key=sr_key(sr_seed) if rounding == "sr" else 0,
+        has_signs=signs_seed is not None, sign_key=as_int32(_lowbias32_int(signs_seed)) if signs_seed is not None else 0,
+        sr=rounding == "sr", sr_key=as_int32(sr_key(sr_seed)) if rounding == "sr" else 0,
         scale_mode=SCALE_MODE_IDS[scale_mode],
     )
 

@@ -32,7 +32,7 @@ from adahop.kernels.mxfp4_math import pow2
 from adahop.kernels.quantize import _blocks, _emit_chunk, _store_row_exponent, _transform, operand_args
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sr_key_a", "sr_key_b", "sign_key_a", "sign_key_b"])
 def _quantize_both_kernel(
     x_ptr, stride_r, stride_c, R, C, RP, CP,
     e4a_ptr, e4a_bits_ptr, rsa_ptr, parta_ptr, emaxa_ptr,

@@ -172,7 +172,7 @@ def train(
     ckpt_dir = out / "checkpoints"
     found = latest_checkpoint(ckpt_dir) if resume else None
     if found is not None:
-        state = load_checkpoint(found, map_location=device)
+        state = load_checkpoint(found, map_location="cpu")  # load_state_dict moves each part to its device
         if state["config"]["recipe"] != cfg.recipe or state["config"]["model_size"] != cfg.model_size:
             raise ValueError(f"{found} is a {state['config']['recipe']}/{state['config']['model_size']} run; this one is {cfg.recipe}/{cfg.model_size}")
         model.load_state_dict(state["model"])
