@@ -79,6 +79,19 @@ def test_hash_keys_of_either_sign_as_int32(sr_seed, signs_seed, big_keys):
     assert_same_mx(got, quantize_operand(x, 1, spec))
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="the interpreter compiles nothing")
+def test_new_hash_keys_compile_nothing():
+    from adahop.kernels.quantize import _mxfp4_quantize_kernel
+
+    x = make((64, 256), torch.bfloat16)
+    quantize_operand_triton(x, 1, rounding="sr", hadamard_size=32, signs_seed=0, sr_seed=0, e4m3=True, packed=False)
+    kernel_cache = _mxfp4_quantize_kernel.device_caches[torch.cuda.current_device()][0]
+    compiled = len(kernel_cache)
+    for seed in range(1, 40):  # keys of both signs, some divisible by 16
+        quantize_operand_triton(x, 1, rounding="sr", hadamard_size=32, signs_seed=seed, sr_seed=seed, e4m3=True, packed=False)
+    assert len(kernel_cache) == compiled
+
+
 def test_quantize_kernel_special_values():
     x = make((16, 96))
     x[0, 5] = float("nan")
