@@ -78,7 +78,7 @@ def run_one(args, name: str, seed: int) -> None:
     out = Path(args.out) / f"{name}-s{seed}"
     recipe = "bf16" if name == "bf16" else ("mxfp4" if name == "mxfp4" else "adahop_lv2")
     cfg = preset(args.preset, recipe=recipe, seed=seed, out_dir=str(out), corpus_dir=args.corpus,
-                 steps=args.steps, progress=False)
+                 steps=args.steps, lr=args.lr, progress=False)
     corpus = load_corpus(cfg.corpus_dir)
     model, batches = open_run(cfg, corpus)
     qcfg = VARIANTS[name]().replace(calibration_steps=cfg.calibration_steps, backend=cfg.backend, seed=seed)
@@ -152,6 +152,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/ablation")
     p.add_argument("--preset", default="cpu")
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--threads", type=int, default=1)
