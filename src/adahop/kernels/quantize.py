@@ -229,7 +229,8 @@ def _mxfp4_quantize_kernel(
     (one chunk per row, or no e4m3 form); for the e4m3 form over several chunks, PHASE 1 writes
     each range's largest block exponent to ``epart`` [n_splits, R, 16] (uint8, biased) and
     PHASE 2 takes the row maximum of those and emits. With ``GROUP_SCALE`` the e4m3 form's
-    scales are per 128-element group (``rowscale_ptr`` is then [R, KP / 128]): one pass."""
+    scales are per 128-element group (``rowscale_ptr`` is then [R, EKP / 128]; EKP = KP rounded
+    up to 128 is the e4m3 row length): one pass."""
     pid = tl.program_id(0)
     sid = tl.program_id(1)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
