@@ -10,7 +10,7 @@ reference MXFP4 GEMM (dequantize, float32 matmul) up to float32 accumulation ord
 
 Hardware. On GPUs with MX tensor cores (NVIDIA compute capability 10.x/12.x, AMD gfx950) Triton
 lowers ``tl.dot_scaled`` to the native block-scaled MMA. On Hopper it decomposes it into an
-upcast to BF16 and a BF16 MMA, which is 3x slower than a BF16 GEMM (SPEC.md section 7): correct,
+upcast to BF16 and a BF16 MMA: 108 TFLOP/s, 0.15x a cuBLAS BF16 GEMM (run 26): correct,
 and how we test this kernel on the H200, but never chosen there (``ops.backends`` gates it).
 
 Edges. Rows past M or N and K past KP load code 0 with scale byte 127 (the value 0), so ragged
