@@ -63,7 +63,7 @@ def plot_loss_curves(runs: dict[str, list[dict]], path: str | os.PathLike, *, ti
     ax.legend()
     if with_gap:
         ax_gap.axhline(0.0, color="black", linewidth=0.8)
-        ax_gap.set_ylabel(f"loss - {baseline} ({gap_smooth}-step mean)")
+        ax_gap.set_ylabel(f"loss minus {baseline}\n({gap_smooth}-step mean)")
         ax_gap.set_xlabel("step")
         ax_gap.grid(alpha=0.3)
         ax_gap.legend(fontsize=8)
