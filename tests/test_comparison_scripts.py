@@ -44,6 +44,16 @@ def test_train_compare_serial_and_parallel(corpus, tmp_path, capsys):
     table = (tmp_path / "b" / "comparison.md").read_text()
     assert "| bf16 | 3 |" in table and "| adahop_lv2 | 3 |" in table
 
+    # two processes sharing one GPU: the same runs, one report
+    assert tc.main([*common, "--out", str(tmp_path / "c"), "--recipes", "bf16", "adahop_lv2", "--per-gpu", "2"]) == 0
+    assert (tmp_path / "c" / "worker1.log").exists()
+    def losses(report):  # recipe, steps, held-out loss, gap: not the (timing) columns after them
+        return [row.split("|")[1:5] for row in report.splitlines() if row.startswith("| ")]
+
+    assert losses((tmp_path / "c" / "comparison.md").read_text()) == losses(table)
+    with pytest.raises(SystemExit):
+        tc.main([*common, "--out", str(tmp_path / "d"), "--per-gpu", "0"])
+
     # a run of another length is not comparable: the report refuses it
     assert tc.main(["--corpus", str(corpus), "--preset", "debug", "--steps", "4", "--tasks",
                     "--out", str(tmp_path / "b"), "--recipes", "mxfp4"]) == 0
