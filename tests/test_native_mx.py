@@ -180,12 +180,21 @@ def test_native_mx_is_refused_on_hopper_even_by_name(monkeypatch):
     assert "native_mx" not in backends.available_backends("cuda")
 
 
-@pytest.mark.parametrize("capability,hip_arch,arch", [((10, 0), None, "sm_100"), ((12, 0), None, "sm_120"),
+@pytest.mark.parametrize("capability,hip_arch,arch", [((10, 0), None, "sm_100"), ((10, 3), None, "sm_103"),
                                                       (None, "gfx950:sramecc+:xnack-", "gfx950")])
 def test_auto_picks_native_mx_on_mx_tensor_cores(monkeypatch, capability, hip_arch, arch):
     fake_gpu(monkeypatch, capability=capability, hip_arch=hip_arch)
     assert backends.mx_tensor_core_arch("cuda") == arch
     assert backends.get_backend("auto", "cuda").name == "native_mx"
+
+
+@pytest.mark.parametrize("capability", [(12, 0), (12, 1)])
+def test_consumer_blackwell_is_left_to_hopper_fp8(monkeypatch, capability):
+    """Block-scaled MMA exists there, but Triton 3.6 may emulate tl.dot_scaled: not offered."""
+    fake_gpu(monkeypatch, capability=capability, name="NVIDIA GeForce RTX 5090")
+    assert backends.mx_tensor_core_arch("cuda") is None
+    assert "RTX 5090" in backends.unavailable_reason("native_mx", "cuda")
+    assert backends.get_backend("auto", "cuda").name == "hopper_fp8"
 
 
 def test_no_mx_on_older_amd(monkeypatch):

@@ -16,8 +16,8 @@ kernel + the reference GEMM; also under ``TRITON_INTERPRET=1`` on the CPU), ``ho
 (Triton quantize to e4m3 + row scales, ``torch._scaled_mm`` on FP8 tensor cores: CUDA GPUs of
 compute capability 8.9 or more), ``hopper_fp8_block`` (the same with one scale per 128-element
 group, block-scaled cuBLAS GEMMs; experimental, never picked by ``auto``) and ``native_mx`` (the packed MXFP4 operands into
-``tl.dot_scaled``: only GPUs with MX tensor cores, NVIDIA compute capability 10.0 or more, AMD
-gfx950). On Hopper, Triton's ``tl.dot_scaled`` upcasts to BF16 and runs at 0.15x BF16 (measured
+``tl.dot_scaled``: only GPUs with MX tensor cores that Triton lowers it to natively, NVIDIA
+compute capability 10.x and AMD gfx950). On Hopper, Triton's ``tl.dot_scaled`` upcasts to BF16 and runs at 0.15x BF16 (measured
 on the H200), so ``native_mx`` is refused there, even when asked for by name.
 
 ``auto`` picks ``native_mx`` on MX tensor cores, else ``hopper_fp8`` on FP8 tensor cores, else
@@ -78,8 +78,12 @@ def triton_available() -> bool:
 
 
 def mx_tensor_core_arch(device) -> str | None:
-    """The architecture name of ``device`` if it has MX (block-scaled FP4) tensor cores, else None:
-    NVIDIA compute capability 10.x and above (Blackwell), AMD gfx950 (CDNA4)."""
+    """The architecture name of ``device`` if ``native_mx`` runs there, else None: GPUs with MX
+    (block-scaled FP4) tensor cores to which Triton lowers ``tl.dot_scaled`` natively, NVIDIA
+    compute capability 10.x (data-centre Blackwell) and AMD gfx950 (CDNA4). Consumer Blackwell
+    (12.x) has block-scaled MMA too, but Triton's native lowering for it came later than the
+    Triton 3.6 we test with (for 12.1 in 2026), and without it ``tl.dot_scaled`` silently runs
+    the BF16 emulation, so those GPUs are left to ``hopper_fp8`` until checked."""
     dev = _device(device)
     if dev.type != "cuda" or not torch.cuda.is_available():
         return None
@@ -87,7 +91,7 @@ def mx_tensor_core_arch(device) -> str | None:
         arch = torch.cuda.get_device_properties(dev).gcnArchName.split(":")[0]
         return arch if arch == "gfx950" else None
     major, minor = torch.cuda.get_device_capability(dev)
-    return f"sm_{major}{minor}" if major >= 10 else None
+    return f"sm_{major}{minor}" if major == 10 else None
 
 
 def _device(device) -> torch.device:
@@ -114,10 +118,10 @@ def unavailable_reason(name: str, device=None) -> str | None:
         if dev.type != "cuda" or not torch.cuda.is_available():
             return f"backend 'native_mx' needs a GPU with MX tensor cores, got device {dev}"
         if mx_tensor_core_arch(dev) is None:
-            return ("backend 'native_mx' needs MX tensor cores (NVIDIA compute capability >= 10.0, "
-                    f"AMD gfx950), and {torch.cuda.get_device_name(dev)} has none: there "
-                    "tl.dot_scaled is emulated through BF16 (0.15x BF16's speed on an H200); use "
-                    "'hopper_fp8' (FP8 tensor cores) or 'auto'")
+            return ("backend 'native_mx' needs MX tensor cores that Triton lowers tl.dot_scaled to "
+                    f"(NVIDIA compute capability 10.x, AMD gfx950); on {torch.cuda.get_device_name(dev)} "
+                    "tl.dot_scaled would run as a BF16 emulation (0.15x BF16's speed on an H200); "
+                    "use 'hopper_fp8' (FP8 tensor cores) or 'auto'")
     return None
 
 
