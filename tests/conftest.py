@@ -18,3 +18,27 @@ def _single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def layer_on_backend(monkeypatch):
+    """``run(backend, recipe, x, w, g, modes=None, oe_k=4)``: one AdaHOPLinear (weight ``w``, no
+    bias) whose dispatch point returns ``backend``, forward on ``x`` and backward with ``g``;
+    returns ``(y, dx, dw)``. For comparing backends layer to layer."""
+    import adahop
+    import adahop.linear
+
+    def run(backend, recipe, x, w, g, modes=None, oe_k=4):
+        monkeypatch.setattr(adahop.linear, "get_backend", lambda name, device: backend)
+        cfg = adahop.AdaHOPConfig.from_recipe_name(recipe).with_gemm_settings(oe_k=oe_k)
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device)
+        lin.weight.data.copy_(w)
+        layer = adahop.AdaHOPLinear.from_float(lin, config=cfg, name="probe")
+        if modes:
+            layer.set_modes(modes)
+        xx = x.clone().requires_grad_()
+        y = layer(xx)
+        y.backward(g)
+        return y.detach(), xx.grad, layer.weight.grad
+
+    return run

@@ -10,8 +10,6 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-import adahop  # noqa: E402
-import adahop.linear  # noqa: E402
 from adahop.formats.mxfp4 import dequantize_mxfp4  # noqa: E402
 from adahop.kernels.quantize import quantize_operand_triton  # noqa: E402
 from adahop.kernels.unpack import unpack_to_e4m3  # noqa: E402
@@ -111,24 +109,13 @@ def _emulated_block_mm(a, b, out_dtype):
     ("adahop_lv2", {"fprop": "iht", "dgrad": "iht+oe_left", "wgrad": "iht+oe_right"}),
     ("tseng", None),
 ])
-def test_layer_on_block_backend_matches_reference(monkeypatch, recipe, modes):
+def test_layer_on_block_backend_matches_reference(monkeypatch, layer_on_backend, recipe, modes):
     monkeypatch.setattr(kernel_backends, "_scaled_mm_block", _emulated_block_mm)
     T, K, N = 96, 160, 64  # K and T not multiples of 128: the e4m3 forms are padded
-    x, g = make((T, K), seed=1, spread=0.5), make((T, N), seed=3, spread=0.5)
+    x, g = make((T, K), seed=1, spread=0.5).float(), make((T, N), seed=3, spread=0.5).float()
     w = make((N, K), seed=2, spread=0.3).float() * 0.1
-    outs = []
-    for backend in (ReferenceBackend(), kernel_backends.HopperFP8BlockBackend()):
-        monkeypatch.setattr(adahop.linear, "get_backend", lambda name, device, b=backend: b)
-        cfg = adahop.AdaHOPConfig.from_recipe_name(recipe).with_gemm_settings(oe_k=4)
-        lin = torch.nn.Linear(K, N, bias=False, device=DEVICE)
-        lin.weight.data.copy_(w)
-        layer = adahop.AdaHOPLinear.from_float(lin, config=cfg, name="probe")
-        if modes:
-            layer.set_modes(modes)
-        xx = x.float().clone().requires_grad_()
-        y = layer(xx)
-        y.backward(g.float())
-        outs.append((y.detach(), xx.grad, layer.weight.grad))
+    outs = [layer_on_backend(backend, recipe, x, w, g, modes)
+            for backend in (ReferenceBackend(), kernel_backends.HopperFP8BlockBackend())]
     for want, got in zip(*outs):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())

@@ -10,8 +10,6 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-import adahop  # noqa: E402
-import adahop.linear  # noqa: E402
 from adahop.formats.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 from adahop.kernels.mx_gemm import mxfp4_gemm_nt  # noqa: E402
 from adahop.ops import backends  # noqa: E402
@@ -127,24 +125,15 @@ def test_bad_arguments():
             mxfp4_gemm_nt(qa, qa, dot_scaled=True)
 
 
-def test_layer_matches_reference_backend(monkeypatch):
+def test_layer_matches_reference_backend(layer_on_backend):
     """adahop_lv2 with outlier extraction on all three GEMMs: output and both gradients from the
     native_mx backend equal the reference backend's up to float32 accumulation order."""
     T, K, N = 64, 96, 64
     x, g = operand(T, K, seed=7, spread=1.0), operand(T, N, seed=8, spread=1.0)
     w = operand(N, K, seed=9, spread=0.5) * 0.05
-    outs = []
-    for backend in (ReferenceBackend(), NativeMXBackend()):
-        monkeypatch.setattr(adahop.linear, "get_backend", lambda name, device, b=backend: b)
-        cfg = adahop.AdaHOPConfig.from_recipe_name("adahop_lv2").with_gemm_settings(oe_k=4)
-        lin = torch.nn.Linear(K, N, bias=False, device=DEVICE)
-        lin.weight.data.copy_(w)
-        layer = adahop.AdaHOPLinear.from_float(lin, config=cfg, name="probe")
-        layer.set_modes({"fprop": "iht+oe_left", "dgrad": "iht+oe_left", "wgrad": "iht+oe_right"})
-        xx = x.clone().requires_grad_()
-        y = layer(xx)
-        y.backward(g)
-        outs.append((y.detach(), xx.grad, layer.weight.grad))
+    modes = {"fprop": "iht+oe_left", "dgrad": "iht+oe_left", "wgrad": "iht+oe_right"}
+    outs = [layer_on_backend(backend, "adahop_lv2", x, w, g, modes)
+            for backend in (ReferenceBackend(), NativeMXBackend())]
     for want, got in zip(*outs):
         scale = want.abs().max().item()
         assert torch.isfinite(got).all()

@@ -7,8 +7,6 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-import adahop  # noqa: E402
-import adahop.linear  # noqa: E402
 from adahop.kernels.quantize import quantize_operand_triton  # noqa: E402
 from adahop.kernels.quantize_both import quantize_both_e4m3  # noqa: E402
 from adahop.ops.kernel_backends import HopperFP8Backend  # noqa: E402
@@ -114,7 +112,7 @@ class _EmulatedHopperSeparate(_EmulatedHopper):
     ("adahop_lv2", {"fprop": "iht", "dgrad": "iht+oe_left", "wgrad": "iht+oe_right"}),
     ("tseng", None),
 ])
-def test_layer_backward_same_with_and_without_fusion(monkeypatch, recipe, modes):
+def test_layer_backward_same_with_and_without_fusion(monkeypatch, layer_on_backend, recipe, modes):
     """The layer's gradients are the same bits whether g's two quantizations come from one
     kernel or from two calls (and the fused kernel is what the layer calls)."""
     T, K, N = 64, 64, 96
@@ -128,19 +126,8 @@ def test_layer_backward_same_with_and_without_fusion(monkeypatch, recipe, modes)
         return real(self, *args)
 
     monkeypatch.setattr(_EmulatedHopper, "quantize_both", counting)
-    outs = []
-    for backend in (_EmulatedHopper(), _EmulatedHopperSeparate()):
-        monkeypatch.setattr(adahop.linear, "get_backend", lambda name, device, b=backend: b)
-        cfg = adahop.AdaHOPConfig.from_recipe_name(recipe).with_gemm_settings(oe_k=4)
-        lin = torch.nn.Linear(K, N, bias=False, device=DEVICE)
-        lin.weight.data.copy_(w)
-        layer = adahop.AdaHOPLinear.from_float(lin, config=cfg, name="probe")
-        if modes:
-            layer.set_modes(modes)
-        xx = x.clone().requires_grad_()
-        y = layer(xx)
-        y.backward(g)
-        outs.append((y.detach(), xx.grad, layer.weight.grad))
+    outs = [layer_on_backend(backend, recipe, x, w, g, modes)
+            for backend in (_EmulatedHopper(), _EmulatedHopperSeparate())]
     assert len(calls) == 1
     for ref, got in zip(outs[1], outs[0]):
         assert torch.equal(ref, got)
