@@ -356,9 +356,7 @@ def section_block(res, recipes, shapes):
                           quantize_block_ms=bench(lambda: block_b.quantize(a, 1, spec))))
         print("  block gemm", gemms[-1], flush=True)
     for N, K in shapes:
-        x = activation((T, K)).requires_grad_()
-        g = activation((T, N), seed=5)
-        base = bench(fwd_bwd_fn(make_layer("bf16_nn", N, K, None), x, g))
+        x, g, base = linear_case(N, K)
         row = {"shape": (N, K), "bf16_ms": base}
         for recipe in recipes:
             for backend in ("hopper_fp8", "hopper_fp8_block"):
@@ -388,12 +386,18 @@ def fwd_bwd_fn(layer, x, g):
     return run
 
 
+def linear_case(N, K):
+    """The inputs of a layer of shape (N, K) at T tokens, and BF16 ``nn.Linear``'s forward +
+    backward time on them (ms): every layer timing's baseline."""
+    x = activation((T, K)).requires_grad_()
+    g = activation((T, N), seed=5)
+    return x, g, bench(fwd_bwd_fn(make_layer("bf16_nn", N, K, None), x, g))
+
+
 def section_linear(res, recipes, shapes, with_reference, with_torchao):
     rows = []
     for N, K in shapes:
-        x = activation((T, K)).requires_grad_()
-        g = activation((T, N), seed=5)
-        base = bench(fwd_bwd_fn(make_layer("bf16_nn", N, K, None), x, g))
+        x, g, base = linear_case(N, K)
         row = {"shape": (N, K), "bf16_ms": base}
         for recipe in recipes:
             layer = make_layer(recipe, N, K, "hopper_fp8")
