@@ -173,7 +173,7 @@ def test_native_mx_is_refused_on_hopper_even_by_name(monkeypatch):
                                                       (None, "gfx950:sramecc+:xnack-", "gfx950")])
 def test_auto_picks_native_mx_on_mx_tensor_cores(monkeypatch, capability, hip_arch, arch):
     fake_gpu(monkeypatch, capability=capability, hip_arch=hip_arch)
-    assert backends.mx_tensor_core_arch("cuda") == arch
+    assert backends.native_mx_arch("cuda") == arch
     assert backends.get_backend("auto", "cuda").name == "native_mx"
 
 
@@ -181,14 +181,14 @@ def test_auto_picks_native_mx_on_mx_tensor_cores(monkeypatch, capability, hip_ar
 def test_consumer_blackwell_is_left_to_hopper_fp8(monkeypatch, capability):
     """Block-scaled MMA exists there, but Triton 3.6 may emulate tl.dot_scaled: not offered."""
     fake_gpu(monkeypatch, capability=capability, name="NVIDIA GeForce RTX 5090")
-    assert backends.mx_tensor_core_arch("cuda") is None
+    assert backends.native_mx_arch("cuda") is None
     assert "RTX 5090" in backends.unavailable_reason("native_mx", "cuda")
     assert backends.get_backend("auto", "cuda").name == "hopper_fp8"
 
 
 def test_no_mx_on_older_amd(monkeypatch):
     fake_gpu(monkeypatch, hip_arch="gfx942")
-    assert backends.mx_tensor_core_arch("cuda") is None
+    assert backends.native_mx_arch("cuda") is None
     assert "MX tensor cores" in backends.unavailable_reason("native_mx", "cuda")
 
 

@@ -77,7 +77,7 @@ def triton_available() -> bool:
     return True
 
 
-def mx_tensor_core_arch(device) -> str | None:
+def native_mx_arch(device) -> str | None:
     """The architecture name of ``device`` if ``native_mx`` runs there, else None: GPUs with MX
     (block-scaled FP4) tensor cores to which Triton lowers ``tl.dot_scaled`` natively, NVIDIA
     compute capability 10.x (data-centre Blackwell) and AMD gfx950 (CDNA4). Consumer Blackwell
@@ -117,7 +117,7 @@ def unavailable_reason(name: str, device=None) -> str | None:
     if name == "native_mx":
         if dev.type != "cuda" or not torch.cuda.is_available():
             return f"backend 'native_mx' needs a GPU with MX tensor cores, got device {dev}"
-        if mx_tensor_core_arch(dev) is None:
+        if native_mx_arch(dev) is None:
             return ("backend 'native_mx' needs MX tensor cores that Triton lowers tl.dot_scaled to "
                     f"(NVIDIA compute capability 10.x, AMD gfx950); on {torch.cuda.get_device_name(dev)} "
                     "tl.dot_scaled would run as a BF16 emulation (0.15x BF16's speed on an H200); "

@@ -157,19 +157,14 @@ class HopperFP8Backend:
         return c[:M, :N]
 
 
-class NativeMXBackend:
-    """Packed MXFP4 operands into ``tl.dot_scaled`` (``kernels.mx_gemm``): GPUs with MX tensor
-    cores. ``ops.backends`` never offers it on Hopper, where ``tl.dot_scaled`` is emulated
-    through BF16 (0.15x cuBLAS BF16 on the H200, measured). The class itself runs wherever
-    Triton does (the CPU interpreter with an in-kernel decode in place of the MMA), which is how
-    it is tested."""
+class NativeMXBackend(TritonBackend):
+    """``triton``'s packed operands into ``tl.dot_scaled`` (``kernels.mx_gemm``) instead of the
+    reference GEMM: GPUs with MX tensor cores. ``ops.backends`` never offers it on Hopper, where
+    ``tl.dot_scaled`` is emulated through BF16 (0.15x cuBLAS BF16 on the H200, measured). The
+    class itself runs wherever Triton does (the CPU interpreter with an in-kernel decode in place
+    of the MMA), which is how it is tested."""
 
     name = "native_mx"
-
-    def quantize(self, x, dim, spec: OperandSpec, zero_outer=None) -> MXFP4Tensor:
-        return TritonBackend().quantize_packed(x, dim, spec, zero_outer)
-
-    quantize_packed = quantize
 
     def mm_nt(self, a: MXFP4Tensor, b: MXFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         from adahop.kernels.mx_gemm import mxfp4_gemm_nt
