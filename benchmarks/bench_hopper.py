@@ -536,8 +536,8 @@ def main():
             elif name == "torchao":
                 # the AdaHOP recipes again in the same rows: one BF16 baseline for all
                 section_linear(res, args.recipes.split(","), [(14336, 4096)], with_reference=False, with_torchao=True)
-            elif name == "profile":
-                section_profile(res)
+            elif name == "profile":  # the first of --shapes (all: (14336, 4096))
+                section_profile(res, shape=(14336, 4096) if args.shapes == "all" else shapes[0])
             elif name == "memory":
                 section_memory(res)
         except Exception:

@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--preset", default="h200")
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="override the preset's seed (every recipe the same)")
     p.add_argument("--recipes", nargs="+", default=list(adahop.RECIPES), choices=list(adahop.RECIPES))
     p.add_argument("--tasks", nargs="*", default=["piqa", "hellaswag", "arc_easy", "lambada"])
     p.add_argument("--tasks-dir", default=None)
@@ -69,6 +70,8 @@ def main(argv=None) -> int:
                       "--out", str(run), "--no-progress", "--threads", "0"]
         if args.steps:
             train_argv += ["--steps", str(args.steps)]
+        if args.seed is not None:
+            train_argv += ["--seed", str(args.seed)]
         if cli.main(train_argv) != 0:
             return 2
         eval_argv = ["eval", "--run", str(run), "--tasks", *args.tasks]
@@ -91,7 +94,7 @@ def run_parallel(args) -> int:
     (gpus * per_gpu)-th recipe from the i-th; then the report."""
     base = ["--corpus", args.corpus, "--out", args.out, "--preset", args.preset,
             "--eval-batch-size", str(args.eval_batch_size), "--tasks", *args.tasks]
-    for flag, value in (("--steps", args.steps), ("--tasks-dir", args.tasks_dir), ("--limit", args.limit)):
+    for flag, value in (("--steps", args.steps), ("--seed", args.seed), ("--tasks-dir", args.tasks_dir), ("--limit", args.limit)):
         if value is not None:
             base += [flag, str(value)]
     procs = []
