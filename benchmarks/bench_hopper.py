@@ -11,9 +11,6 @@
    mx:     the native_mx GEMM (``tl.dot_scaled`` on packed MXFP4) against the reference GEMM and
            timed next to cuBLAS BF16 and hopper_fp8: on Hopper Triton emulates it through BF16,
            which is why the backend is refused there.
-   block:  hopper_fp8_block (1x128 block scales, one-pass quantize): its GEMM against the
-           reference MXFP4 GEMM, then GEMM and quantize times next to the row-wise form's and
-           the layer per recipe on both, against one BF16 baseline.
    split:  operands with few rows (quantized along T), K split over programs vs not.
    single: one chunk per row (one read) vs the two-pass e4m3 form, per operand of a layer.
    both:   the gradient's two orientations from one kernel vs two one-orientation calls.
@@ -334,38 +331,6 @@ def section_mx(res):
     res["mx"] = rows
 
 
-def section_block(res, recipes, shapes):
-    row_b, block_b = get_backend("hopper_fp8", "cuda"), get_backend("hopper_fp8_block", "cuda")
-    spec = OperandSpec(hadamard_size=32)
-    gemms, layers = [], []
-    for M, N, K in [(8192, 8192, 8192)] + [(T, n, k) for n, k in shapes]:
-        a, b = activation((M, K), seed=1), activation((N, K), seed=2)
-        pa, pb = row_b.quantize_packed(a, 1, spec), row_b.quantize_packed(b, 1, spec)
-        want = dequantize_mxfp4(pa, keep_padding=True) @ dequantize_mxfp4(pb, keep_padding=True).t()
-        qa, qb = block_b.quantize(a, 1, spec), block_b.quantize(b, 1, spec)
-        err = rel(block_b.mm_nt(qa, qb, torch.float32), want)
-        del want
-        ra, rb = row_b.quantize(a, 1, spec), row_b.quantize(b, 1, spec)
-        flops = 2 * M * N * K
-        t_bf16 = bench(lambda: a @ b.t())
-        t_row = bench(lambda: row_b.mm_nt(ra, rb, torch.bfloat16))
-        t_block = bench(lambda: block_b.mm_nt(qa, qb, torch.bfloat16))
-        gemms.append(dict(shape=(M, N, K), rel_err_vs_reference=err, bf16_TFLOPs=flops / t_bf16 / 1e9,
-                          rowwise_TFLOPs=flops / t_row / 1e9, block_TFLOPs=flops / t_block / 1e9,
-                          quantize_rowwise_ms=bench(lambda: row_b.quantize(a, 1, spec)),
-                          quantize_block_ms=bench(lambda: block_b.quantize(a, 1, spec))))
-        print("  block gemm", gemms[-1], flush=True)
-    for N, K in shapes:
-        x, g, base = linear_case(N, K)
-        row = {"shape": (N, K), "bf16_ms": base}
-        for recipe in recipes:
-            for backend in ("hopper_fp8", "hopper_fp8_block"):
-                row[f"{recipe}_{backend}"] = base / bench(fwd_bwd_fn(make_layer(recipe, N, K, backend), x, g))
-        layers.append(row)
-        print("  block linear", row, flush=True)
-    res["block"] = dict(gemm=gemms, linear_speedup_vs_bf16=layers)
-
-
 # ---- 4. linear ----------------------------------------------------------------------------------
 def make_layer(recipe, N, K, backend):
     lin = torch.nn.Linear(K, N, bias=False, device="cuda")
@@ -521,8 +486,6 @@ def main():
                 section_quant(res)
             elif name == "mx":
                 section_mx(res)
-            elif name == "block":
-                section_block(res, args.recipes.split(","), shapes)
             elif name == "split":
                 section_split(res)
             elif name == "single":

@@ -27,7 +27,7 @@ from adahop.kernels.quantize import _mxfp4_quantize_kernel
 
 POINTERS = ["x_ptr", "codes_ptr", "scales_ptr", "e4m3_ptr", "e4m3_bits_ptr", "rowscale_ptr", "sumsq_ptr", "epart_ptr"]
 POINTER_TYPES = ["*bf16", "*u8", "*u8", "*fp8e4nv", "*u8", "*fp32", "*fp32", "*u8"]
-INTS = ["stride_r", "stride_k", "R", "K", "KP", "EKP", "SPLIT_K", "n_splits", "sr_key", "sign_key"]
+INTS = ["stride_r", "stride_k", "R", "K", "KP", "SPLIT_K", "n_splits", "sr_key", "sign_key"]
 CLASSES = {
     "conversions": ("F2I", "I2F", "FRND", "F2F", "F2FP", "I2FP"),
     "int multiplies": ("IMAD", "IMUL"),
@@ -35,16 +35,13 @@ CLASSES = {
     "shared memory": ("STS", "LDS"),
 }
 
-# (name, PHASE, SR, WRITE_PACKED, WRITE_E4M3, GROUP_SCALE): the launches the linear layer makes
-# (the last two: the one-pass e4m3 form with 1x128 group scales of hopper_fp8_block).
+# (name, PHASE, SR, WRITE_PACKED, WRITE_E4M3): the launches the linear layer makes.
 VARIANTS = [
-    ("e4m3 phase 1", 1, False, False, True, False),
-    ("e4m3 phase 2, RNE", 2, False, False, True, False),
-    ("e4m3 phase 2, SR", 2, True, False, True, False),
-    ("packed, RNE", 0, False, True, False, False),
-    ("packed, SR", 0, True, True, False, False),
-    ("e4m3 1x128, RNE", 0, False, False, True, True),
-    ("e4m3 1x128, SR", 0, True, False, True, True),
+    ("e4m3 phase 1", 1, False, False, True),
+    ("e4m3 phase 2, RNE", 2, False, False, True),
+    ("e4m3 phase 2, SR", 2, True, False, True),
+    ("packed, RNE", 0, False, True, False),
+    ("packed, SR", 0, True, True, False),
 ]
 
 
@@ -58,7 +55,7 @@ def sass_of(meta: dict, num_warps: int) -> list[str]:
     sig = {name: types[name] for name in names}
     consts = dict(meta, stride_k=1)
     # Pointers and sizes divisible by 16, as at the real shapes (Triton specializes on it).
-    aligned = POINTERS + ["stride_r", "R", "K", "KP", "EKP", "SPLIT_K"]
+    aligned = POINTERS + ["stride_r", "R", "K", "KP", "SPLIT_K"]
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in aligned}
     src = ASTSource(fn=_mxfp4_quantize_kernel, signature=sig, constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
@@ -83,11 +80,11 @@ def main() -> None:
     a = p.parse_args()
     print(f"chunk {a.block_r} x {a.block_k}, {a.warps} warps, Hadamard {1 << a.log2_h if a.log2_h else 'none'}")
     print(f"{'variant':<22}{'instructions':>13}" + "".join(f"{c:>16}" for c in CLASSES))
-    for name, phase, sr, packed, e4m3, group in VARIANTS:
+    for name, phase, sr, packed, e4m3 in VARIANTS:
         meta = dict(
             BLOCK_R=a.block_r, BLOCK_K=a.block_k, LOG2_H=a.log2_h, HAS_SIGNS=False, SCALE_MODE=1,
             SR=sr, SINGLE_CHUNK=False, WRITE_PACKED=packed, WRITE_E4M3=e4m3, WRITE_SUMSQ=False,
-            NAN_BY_CAST=True, FWHT_INPLACE=True, ARITH_E2M1=True, PHASE=phase, GROUP_SCALE=group,
+            NAN_BY_CAST=True, FWHT_INPLACE=True, ARITH_E2M1=True, PHASE=phase,
         )
         ops = Counter(opcode(i) for i in sass_of(meta, a.warps))
         counts = [sum(ops[o] for o in group) for group in CLASSES.values()]

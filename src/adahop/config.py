@@ -33,7 +33,7 @@ from adahop.patterns.detect import DEFAULT_TAU, check_tau
 from adahop.policy import GEMM_MODES, GEMMS, POLICY_LEVELS, check_modes
 from adahop.transforms.hadamard import DEFAULT_HADAMARD_SIZE, check_hadamard_size
 
-BACKENDS = ("auto", "reference", "triton", "hopper_fp8", "hopper_fp8_block", "native_mx")
+BACKENDS = ("auto", "reference", "triton", "hopper_fp8", "native_mx")
 DEFAULT_OE_K = 64
 DEFAULT_CALIBRATION_STEPS = 30
 

@@ -104,16 +104,12 @@ def _emit_chunk(
     codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SR: tl.constexpr,
     WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr, NAN_BY_CAST: tl.constexpr,
-    ARITH_E2M1: tl.constexpr, GROUP_SCALE: tl.constexpr = False, gscale_ptr=None, ekp=None,
+    ARITH_E2M1: tl.constexpr,
 ):
     """Round one transformed chunk and write its scale bytes, packed codes and/or e4m3 form.
 
-    The e4m3 form folds each block's scale into its elements relative to a reference exponent:
-    the row's largest block exponent ``e_rowmax`` (one float32 scale per row), or with
-    ``GROUP_SCALE`` the largest of each group of 4 blocks (128 elements along K), computed here
-    from the chunk itself and written as ``gscale`` [R, ekp / 128] (a scale per row and group).
-    ``ekp``: the e4m3 form's row length (KP rounded up to 128 in the group form; the columns past
-    KP are zeros). KP itself stays the reference's padded length: the SR counters depend on it."""
+    The e4m3 form folds each block's scale into its elements relative to the row's largest
+    block exponent ``e_rowmax`` (the row scale is ``2**(e_rowmax - 6)``)."""
     NB: tl.constexpr = BLOCK_K // 32
     if WRITE_PACKED:
         bidx = k0 // 32 + tl.arange(0, NB)
@@ -146,20 +142,7 @@ def _emit_chunk(
         pmask = row_ok[:, None] & (pcols[None, :] < KP // 2)
         tl.store(codes_ptr + rows[:, None].to(tl.int64) * (KP // 2) + pcols[None, :], packed, mask=pmask)
     if WRITE_E4M3:
-        if GROUP_SCALE:
-            # The group's reference exponent: the largest exponent of its finite blocks.
-            # (Offline SASS: this form converts the chunk's layout, about 230 warp shuffles per
-            # chunk, as the packed form's scale bytes do; routing the scales through the tile
-            # or taking the group maximum from the data did not avoid it. To be reworked once
-            # the block-scaled GEMM has been measured.)
-            NG: tl.constexpr = NB // 4
-            e_group = tl.max(tl.reshape(tl.where(finite, e, -127), (BLOCK_R, NG, 4)), axis=2)
-            gcols = k0 // 128 + tl.arange(0, NG)
-            tl.store(gscale_ptr + rows[:, None].to(tl.int64) * (ekp // 128) + gcols[None, :], pow2(e_group - 6),
-                     mask=row_ok[:, None] & (gcols[None, :] < ekp // 128))
-            e_ref = tl.reshape(tl.broadcast_to(e_group[:, :, None], (BLOCK_R, NG, 4)), (BLOCK_R, NB))
-        else:
-            e_ref = e_rowmax[:, None]
+        e_ref = e_rowmax[:, None]
         shift = tl.maximum(e - e_ref + 6, -126)  # below that it is 0 in e4m3 anyway
         if ARITH_E2M1:
             val = mag * pow2(shift)[:, :, None]
@@ -168,12 +151,8 @@ def _emit_chunk(
         # v's sign bit (a zero keeps it: -0 gives the e4m3 byte 0x80, as the reference)
         val = (val.to(tl.int32, bitcast=True) | (vbits & -2147483648)).to(tl.float32, bitcast=True)
         cols = k0 + tl.arange(0, BLOCK_K)
-        if ekp is None:
-            eoffs = rows[:, None].to(tl.int64) * KP + cols[None, :]
-            emask = row_ok[:, None] & (cols[None, :] < KP)
-        else:
-            eoffs = rows[:, None].to(tl.int64) * ekp + cols[None, :]
-            emask = row_ok[:, None] & (cols[None, :] < ekp)
+        eoffs = rows[:, None].to(tl.int64) * KP + cols[None, :]
+        emask = row_ok[:, None] & (cols[None, :] < KP)
         if NAN_BY_CAST:
             # One store whose mask does not depend on the data, so it vectorizes (16 B per
             # thread); the GPU's cvt to e4m3 turns NaN into the NaN byte 0x7F.
@@ -217,20 +196,18 @@ def _load_row_exponent(epart_ptr, rows, row_ok):
 def _mxfp4_quantize_kernel(
     x_ptr, stride_r, stride_k,
     codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, rowscale_ptr, sumsq_ptr, epart_ptr,
-    R, K, KP, EKP, SPLIT_K, n_splits, sr_key, sign_key, norm,
+    R, K, KP, SPLIT_K, n_splits, sr_key, sign_key, norm,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
     SCALE_MODE: tl.constexpr, SR: tl.constexpr, SINGLE_CHUNK: tl.constexpr,
     WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr, WRITE_SUMSQ: tl.constexpr,
     NAN_BY_CAST: tl.constexpr, FWHT_INPLACE: tl.constexpr, ARITH_E2M1: tl.constexpr,
-    PHASE: tl.constexpr, GROUP_SCALE: tl.constexpr = False,
+    PHASE: tl.constexpr,
 ):
     """Program (i, s) owns rows [i * BLOCK_R, (i + 1) * BLOCK_R) and the K range
     [s * SPLIT_K, (s + 1) * SPLIT_K) (SPLIT_K = KP: one range per row). PHASE 0 does everything
     (one chunk per row, or no e4m3 form); for the e4m3 form over several chunks, PHASE 1 writes
     each range's largest block exponent to ``epart`` [n_splits, R, 16] (uint8, biased) and
-    PHASE 2 takes the row maximum of those and emits. With ``GROUP_SCALE`` the e4m3 form's
-    scales are per 128-element group (``rowscale_ptr`` is then [R, EKP / 128]; EKP = KP rounded
-    up to 128 is the e4m3 row length): one pass."""
+    PHASE 2 takes the row maximum of those and emits."""
     pid = tl.program_id(0)
     sid = tl.program_id(1)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -242,11 +219,11 @@ def _mxfp4_quantize_kernel(
         x = _load_transform(x_ptr, stride_r, stride_k, rows, 0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE)
         e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
         e_rowmax = tl.max(tl.where(finite, e, -127), axis=1)
-        if WRITE_E4M3 and not GROUP_SCALE:
+        if WRITE_E4M3:
             tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok)
         if WRITE_SUMSQ:
             tl.store(sumsq_ptr + rows, tl.sum(x * x, axis=1), mask=row_ok)
-        _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, 0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_E2M1, GROUP_SCALE, rowscale_ptr, EKP)
+        _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, 0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_E2M1)
     elif PHASE == 1:  # largest block exponent of this K range, for PHASE 2
         e_part = tl.full((BLOCK_R,), -127, tl.int32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -256,7 +233,7 @@ def _mxfp4_quantize_kernel(
             _store_row_exponent(epart_ptr + sid * R * 16, e_part, e, rows, row_ok, k0 + BLOCK_K >= k_hi, BLOCK_R, BLOCK_K)
     else:
         e_rowmax = tl.full((BLOCK_R,), -127, tl.int32)
-        if WRITE_E4M3 and not GROUP_SCALE:  # (then PHASE 2) the row maximum of PHASE 1's partial maxima
+        if WRITE_E4M3:  # (then PHASE 2) the row maximum of PHASE 1's partial maxima
             for sp in range(0, n_splits):
                 e_rowmax = tl.maximum(e_rowmax, _load_row_exponent(epart_ptr + sp * R * 16, rows, row_ok))
             tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok & (sid == 0))
@@ -266,7 +243,7 @@ def _mxfp4_quantize_kernel(
             if WRITE_SUMSQ:
                 sumsq += tl.sum(x * x, axis=1)
             e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
-            _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, k0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_E2M1, GROUP_SCALE, rowscale_ptr, EKP)
+            _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, k0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_E2M1)
         if WRITE_SUMSQ:
             tl.store(sumsq_ptr + sid * R + rows, sumsq, mask=row_ok)
 
@@ -369,17 +346,10 @@ def quantize_operand_triton(
     fwht_inplace: bool | None = None,
     arith_e2m1: bool | None = None,
     k_splits: int | None = None,
-    group_scale: bool = False,
 ):
     """Quantize 2-D ``x`` along ``dim`` with the fused kernel. Returns a dict with, as asked,
     ``"mx"`` (MXFP4Tensor), ``"e4m3"`` ([R, KP] float8_e4m3fn), ``"row_scale"`` ([R] float32)
     and ``"sumsq"`` ([R] float32); R = the other dim.
-
-    ``group_scale``: the e4m3 form with one scale per row and 128-element group along K instead
-    of per row (``"group_scale"`` [R, KP / 128] float32, KP padded to a multiple of 128), for
-    FP8 GEMMs with 1x128 block scaling. Every group's reference exponent is in its own chunk,
-    so this takes one pass. KP stays the reference's (the packed form and the SR draws are
-    unchanged); the e4m3 form's columns from KP to the next multiple of 128 are zeros.
 
     ``k_splits``: programs per row group along K (None: enough to fill the GPU, see
     ``auto_k_splits``; 1 on the CPU). Splitting changes nothing in the result but the order of
@@ -396,14 +366,9 @@ def quantize_operand_triton(
     arith_e2m1 = cfg["arith_e2m1"] if arith_e2m1 is None else arith_e2m1
     view = x if dim == 1 else x.t()  # logical [R, K]: K = contraction dim
     R, K = view.shape
-    if group_scale and not e4m3:
-        raise ValueError("group_scale is a form of the e4m3 output: it needs e4m3=True")
     op = operand_args(K, block_size=block_size, scale_mode=scale_mode, rounding=rounding,
                       hadamard_size=hadamard_size, signs_seed=signs_seed, sr_seed=sr_seed)
     KP, align = op["KP"], op["align"]
-    EKP = -(-KP // 128) * 128 if group_scale else KP  # the e4m3 form's row length
-    if group_scale:
-        align = max(align, 128)  # chunks hold whole groups
     if R * KP >= 2**32:
         raise ValueError(f"operand too large for 32-bit SR counters: {R} x {KP}")
     block_k = max(block_k, align)
@@ -424,10 +389,10 @@ def quantize_operand_triton(
     dev = x.device
     codes = torch.empty((R, KP // 2), dtype=torch.uint8, device=dev) if packed else None
     scales = torch.empty((R, KP // 32), dtype=torch.uint8, device=dev) if packed else None
-    e4 = torch.empty((R, EKP), dtype=torch.float8_e4m3fn, device=dev) if e4m3 else None
-    rs = torch.empty((R, EKP // 128) if group_scale else (R,), dtype=torch.float32, device=dev) if e4m3 else None
+    e4 = torch.empty((R, KP), dtype=torch.float8_e4m3fn, device=dev) if e4m3 else None
+    rs = torch.empty((R,), dtype=torch.float32, device=dev) if e4m3 else None
     ss = torch.empty((k_splits, R), dtype=torch.float32, device=dev) if sumsq else None
-    two_phase = e4m3 and not single and not group_scale  # the row maximum first (PHASE 1), then the emit (PHASE 2)
+    two_phase = e4m3 and not single  # the row maximum first (PHASE 1), then the emit (PHASE 2)
     epart = torch.empty((k_splits, R, 16), dtype=torch.uint8, device=dev) if two_phase else None
     dummy = torch.empty((1,), dtype=torch.uint8, device=dev)
     grid = (row_programs, k_splits)
@@ -436,14 +401,14 @@ def quantize_operand_triton(
         codes if packed else dummy, scales if packed else dummy,
         e4 if e4m3 else dummy, e4.view(torch.uint8) if e4m3 else dummy,
         rs if e4m3 else dummy, ss if sumsq else dummy, epart if two_phase else dummy,
-        R, K, KP, EKP, split_k, k_splits, op["sr_key"], op["sign_key"], op["norm"],
+        R, K, KP, split_k, k_splits, op["sr_key"], op["sign_key"], op["norm"],
     )
     meta = dict(
         BLOCK_R=block_r, BLOCK_K=block_k, LOG2_H=op["log2_h"], HAS_SIGNS=op["has_signs"],
         SCALE_MODE=op["scale_mode"], SR=op["sr"], SINGLE_CHUNK=single,
         WRITE_PACKED=packed, WRITE_E4M3=e4m3, WRITE_SUMSQ=sumsq,
         NAN_BY_CAST=os.environ.get("TRITON_INTERPRET") != "1",
-        FWHT_INPLACE=fwht_inplace, ARITH_E2M1=arith_e2m1, GROUP_SCALE=group_scale,
+        FWHT_INPLACE=fwht_inplace, ARITH_E2M1=arith_e2m1,
         num_warps=num_warps,
     )
     if KP == 0:  # no blocks, nothing to launch: an empty row's largest exponent is -127
@@ -462,7 +427,7 @@ def quantize_operand_triton(
         out["mx"] = MXFP4Tensor(codes, scales, x.shape, dim, 32)
     if e4m3:
         out["e4m3"] = e4
-        out["group_scale" if group_scale else "row_scale"] = rs
+        out["row_scale"] = rs
     if sumsq:
         out["sumsq"] = ss[0]
     return out

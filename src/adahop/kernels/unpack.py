@@ -38,12 +38,10 @@ def _row_exponent_kernel(scales_ptr, emax_ptr, rowscale_ptr, R, NSB, BLOCK_R: tl
 
 @triton.jit
 def _mxfp4_unpack_kernel(
-    codes_ptr, scales_ptr, emax_ptr, e4m3_ptr, e4m3_bits_ptr, R, KP, EKP,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NAN_BY_CAST: tl.constexpr, GROUP_SCALE: tl.constexpr,
+    codes_ptr, scales_ptr, emax_ptr, e4m3_ptr, e4m3_bits_ptr, R, KP,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NAN_BY_CAST: tl.constexpr,
 ):
-    """Program (i, c): rows [i * BLOCK_R, (i + 1) * BLOCK_R), columns [c * BLOCK_K, (c + 1) * BLOCK_K).
-    With ``GROUP_SCALE`` the fold is relative to each 128-element group's largest block exponent
-    (from its 4 scale bytes, here), whose scales go to ``emax_ptr`` as float32 [R, EKP / 128]."""
+    """Program (i, c): rows [i * BLOCK_R, (i + 1) * BLOCK_R), columns [c * BLOCK_K, (c + 1) * BLOCK_K)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     k0 = tl.program_id(1) * BLOCK_K
     row_ok = rows < R
@@ -52,15 +50,7 @@ def _mxfp4_unpack_kernel(
 
     bidx = k0 // 32 + tl.arange(0, NB)
     sb = tl.load(scales_ptr + rows[:, None].to(tl.int64) * NSB + bidx[None, :], mask=row_ok[:, None] & (bidx[None, :] < NSB), other=0).to(tl.int32)
-    if GROUP_SCALE:
-        NG: tl.constexpr = NB // 4
-        e_group = tl.max(tl.reshape(tl.where(sb == 255, -127, sb - 127), (BLOCK_R, NG, 4)), axis=2)
-        gcols = k0 // 128 + tl.arange(0, NG)
-        tl.store(emax_ptr + rows[:, None].to(tl.int64) * (EKP // 128) + gcols[None, :],
-                 pow2(e_group - 6), mask=row_ok[:, None] & (gcols[None, :] < EKP // 128))
-        e_ref = tl.reshape(tl.broadcast_to(e_group[:, :, None], (BLOCK_R, NG, 4)), (BLOCK_R, NB))
-    else:
-        e_ref = tl.load(emax_ptr + rows, mask=row_ok, other=-127)[:, None]
+    e_ref = tl.load(emax_ptr + rows, mask=row_ok, other=-127)[:, None]
     pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     pm = row_ok[:, None] & (pcols[None, :] < KP // 2)
     p = tl.load(codes_ptr + rows[:, None].to(tl.int64) * (KP // 2) + pcols[None, :], mask=pm, other=0).to(tl.int32)
@@ -73,8 +63,8 @@ def _mxfp4_unpack_kernel(
     val = mag * pow2(shift)[:, :, None]
     val = (val.to(tl.int32, bitcast=True) | ((code >> 3) << 31)).to(tl.float32, bitcast=True)  # code 8: -0
     cols = k0 + tl.arange(0, BLOCK_K)
-    eoffs = rows[:, None].to(tl.int64) * EKP + cols[None, :]
-    em = row_ok[:, None] & (cols[None, :] < EKP)
+    eoffs = rows[:, None].to(tl.int64) * KP + cols[None, :]
+    em = row_ok[:, None] & (cols[None, :] < KP)
     finite = sb != 255
     if NAN_BY_CAST:  # one vectorizable store; the GPU's cvt turns NaN into 0x7F
         val = tl.where(finite[:, :, None], val, float("nan"))
@@ -85,31 +75,25 @@ def _mxfp4_unpack_kernel(
         tl.store(e4m3_bits_ptr + eoffs, tl.full((BLOCK_R, BLOCK_K), 0x7F, tl.uint8), mask=em & (~fin))
 
 
-def unpack_to_e4m3(q: MXFP4Tensor, *, block_r: int = 16, block_k: int = 256, num_warps: int = 4, group_scale: bool = False):
-    """(e4m3 [R, KP], row_scale [R]) of a 2-D-layout MXFP4Tensor (quantization dim last). With
-    ``group_scale``: (e4m3 [R, EKP], group_scale [R, EKP / 128]), EKP = KP rounded up to 128, the
-    columns past KP zeros; one launch."""
+def unpack_to_e4m3(q: MXFP4Tensor, *, block_r: int = 16, block_k: int = 256, num_warps: int = 4):
+    """(e4m3 [R, KP], row_scale [R]) of a 2-D-layout MXFP4Tensor (quantization dim last)."""
     if q.block_size != 32 or q.codes.dim() != 2:
         raise ValueError("unpack_to_e4m3 takes a 2-D MXFP4Tensor with blocks of 32")
-    for name, v, lo in (("block_r", block_r, 1), ("block_k", block_k, 128 if group_scale else 32)):
+    for name, v, lo in (("block_r", block_r, 1), ("block_k", block_k, 32)):
         if v < lo or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= {lo}, got {v}")
     R, KP = q.codes.shape[0], q.padded_size
-    EKP = -(-KP // 128) * 128 if group_scale else KP
     dev = q.codes.device
-    e4 = torch.empty((R, EKP), dtype=torch.float8_e4m3fn, device=dev)
-    rs = torch.empty((R, EKP // 128) if group_scale else (R,), dtype=torch.float32, device=dev)
+    e4 = torch.empty((R, KP), dtype=torch.float8_e4m3fn, device=dev)
+    rs = torch.empty((R,), dtype=torch.float32, device=dev)
     if R == 0:
         return e4, rs
-    if group_scale:
-        emax = rs  # the kernel writes the group scales there
-    else:
-        emax = torch.empty((R,), dtype=torch.int32, device=dev)
-        _row_exponent_kernel[(triton.cdiv(R, block_r),)](q.scale_e8m0, emax, rs, R, KP // 32, BLOCK_R=block_r, BLOCK_B=64, num_warps=num_warps)
+    emax = torch.empty((R,), dtype=torch.int32, device=dev)
+    _row_exponent_kernel[(triton.cdiv(R, block_r),)](q.scale_e8m0, emax, rs, R, KP // 32, BLOCK_R=block_r, BLOCK_B=64, num_warps=num_warps)
     if KP:
-        _mxfp4_unpack_kernel[(triton.cdiv(R, block_r), triton.cdiv(EKP, block_k))](
-            q.codes, q.scale_e8m0, emax, e4, e4.view(torch.uint8), R, KP, EKP,
+        _mxfp4_unpack_kernel[(triton.cdiv(R, block_r), triton.cdiv(KP, block_k))](
+            q.codes, q.scale_e8m0, emax, e4, e4.view(torch.uint8), R, KP,
             BLOCK_R=block_r, BLOCK_K=block_k, NAN_BY_CAST=os.environ.get("TRITON_INTERPRET") != "1",
-            GROUP_SCALE=group_scale, num_warps=num_warps,
+            num_warps=num_warps,
         )
     return e4, rs

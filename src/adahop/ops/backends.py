@@ -14,8 +14,7 @@ A backend has three operations, all in the NT form of ``ops.operand``:
 Backends: ``reference`` (pure PyTorch, CPU and any GPU), ``triton`` (the fused Triton quantize
 kernel + the reference GEMM; also under ``TRITON_INTERPRET=1`` on the CPU), ``hopper_fp8``
 (Triton quantize to e4m3 + row scales, ``torch._scaled_mm`` on FP8 tensor cores: CUDA GPUs of
-compute capability 8.9 or more), ``hopper_fp8_block`` (the same with one scale per 128-element
-group, block-scaled cuBLAS GEMMs; experimental, never picked by ``auto``) and ``native_mx`` (the packed MXFP4 operands into
+compute capability 8.9 or more) and ``native_mx`` (the packed MXFP4 operands into
 ``tl.dot_scaled``: only GPUs with MX tensor cores that Triton lowers it to natively, NVIDIA
 compute capability 10.x and AMD gfx950). On Hopper, Triton's ``tl.dot_scaled`` upcasts to BF16 and runs at 0.15x BF16 (measured
 on the H200), so ``native_mx`` is refused there, even when asked for by name.
@@ -66,7 +65,7 @@ class ReferenceBackend:
         return (a_f32 @ b_f32.t()).to(out_dtype)
 
 
-BACKEND_NAMES = ("reference", "triton", "hopper_fp8", "hopper_fp8_block", "native_mx")
+BACKEND_NAMES = ("reference", "triton", "hopper_fp8", "native_mx")
 
 
 def triton_available() -> bool:
@@ -103,17 +102,15 @@ def unavailable_reason(name: str, device=None) -> str | None:
     if name not in BACKEND_NAMES:
         return f"unknown backend {name!r}; known: {('auto',) + BACKEND_NAMES}"
     dev = _device(device)
-    if name in ("triton", "hopper_fp8", "hopper_fp8_block", "native_mx") and not triton_available():
+    if name in ("triton", "hopper_fp8", "native_mx") and not triton_available():
         return f"backend {name!r} needs triton (pip install triton)"
     if name == "triton" and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return "backend 'triton' runs on the CPU only under TRITON_INTERPRET=1"
-    if name in ("hopper_fp8", "hopper_fp8_block"):
+    if name == "hopper_fp8":
         if dev.type != "cuda" or not torch.cuda.is_available():
-            return f"backend {name!r} needs a CUDA GPU, got device {dev}"
+            return f"backend 'hopper_fp8' needs a CUDA GPU, got device {dev}"
         if torch.cuda.get_device_capability(dev) < (8, 9):
-            return f"backend {name!r} needs FP8 tensor cores (compute capability >= 8.9)"
-        if name == "hopper_fp8_block" and not hasattr(torch.nn.functional, "scaled_mm"):
-            return "backend 'hopper_fp8_block' needs torch.nn.functional.scaled_mm (block-scaled FP8 GEMMs)"
+            return "backend 'hopper_fp8' needs FP8 tensor cores (compute capability >= 8.9)"
     if name == "native_mx":
         if dev.type != "cuda" or not torch.cuda.is_available():
             return f"backend 'native_mx' needs a GPU with MX tensor cores, got device {dev}"
@@ -145,7 +142,6 @@ def get_backend(name: str = "auto", device: torch.device | str | None = None):
             _INSTANCES[name] = {
                 "triton": kernel_backends.TritonBackend,
                 "hopper_fp8": kernel_backends.HopperFP8Backend,
-                "hopper_fp8_block": kernel_backends.HopperFP8BlockBackend,
                 "native_mx": kernel_backends.NativeMXBackend,
             }[name]()
     return _INSTANCES[name]

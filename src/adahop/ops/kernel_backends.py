@@ -1,5 +1,5 @@
-"""Backends built on the Triton kernels (``adahop.kernels``): ``triton``, ``hopper_fp8``,
-``hopper_fp8_block`` and ``native_mx``.
+"""Backends built on the Triton kernels (``adahop.kernels``): ``triton``, ``hopper_fp8`` and
+``native_mx``.
 
 ``triton``: the fused quantize kernel produces the packed MXFP4 operand, the GEMM is the
 reference's (dequantize + float32 matmul). It runs wherever Triton runs, the CPU interpreter
@@ -14,13 +14,6 @@ then computes ``sum_k a_e4m3 b_e4m3`` (products exact in fp32, fp32 accumulation
 ``use_fast_accum=False``) times ``scale_a[m] * scale_b[n]`` (powers of two: exact), so the result
 is the MXFP4 GEMM up to fp32 accumulation order. Row-wise ``_scaled_mm`` writes bf16; for other
 output dtypes we run it with unit scales into float32 and apply the two scales ourselves.
-
-``hopper_fp8_block``: the same fold relative to each 128-element group's largest block exponent
-instead of the row's, with one float32 scale per row and group, for ``torch.nn.functional.
-scaled_mm`` with 1x128 block scaling on both operands (cuBLAS's DeepSeek-style FP8 GEMM). Each
-group's reference exponent lies in the chunk that holds the group, so every quantization takes
-one pass instead of two, and a block is exact within 14 binades of its group's largest instead of
-its row's. Whether cuBLAS's block-scaled GEMM is as fast as the row-wise one is to be measured.
 
 ``native_mx``: the packed MXFP4 operands (what the quantize kernel writes) straight into
 ``tl.dot_scaled`` (``kernels.mx_gemm``): the block-scaled MMA of GPUs with MX tensor cores.
@@ -84,15 +77,6 @@ class E4M3Operand:
 
     e4m3: torch.Tensor
     row_scale: torch.Tensor
-
-
-@dataclass(frozen=True)
-class E4M3BlockOperand:
-    """A GEMM operand in the 1x128 block-scaled form: [R, KP128] e4m3 elements (KP rounded up to
-    128, zeros past KP) and [R, KP128 / 128] float32 scales."""
-
-    e4m3: torch.Tensor
-    group_scale: torch.Tensor
 
 
 def _pad_rows(t: torch.Tensor, multiple: int, value: float = 0.0) -> torch.Tensor:
@@ -170,47 +154,3 @@ class NativeMXBackend(TritonBackend):
         from adahop.kernels.mx_gemm import mxfp4_gemm_nt
 
         return mxfp4_gemm_nt(a, b, out_dtype)
-
-
-def _scaled_mm_block(a: E4M3BlockOperand, b: E4M3BlockOperand, out_dtype: torch.dtype) -> torch.Tensor:
-    """``A @ B^T`` with 1x128 block scales on both operands (``torch.nn.functional.scaled_mm``).
-    cuBLAS takes these scales outer-dim-major (stride 1 along the rows), hence the transposes."""
-    from torch.nn.functional import ScalingType, scaled_mm
-
-    block = ScalingType.BlockWise1x128
-    return scaled_mm(a.e4m3, b.e4m3.t(), a.group_scale.t().contiguous().t(), block,
-                     b.group_scale.t().contiguous().t(), block, output_dtype=out_dtype)
-
-
-class HopperFP8BlockBackend(HopperFP8Backend):
-    """``hopper_fp8`` with one scale per row and 128-element group (see the module doc)."""
-
-    name = "hopper_fp8_block"
-
-    def quantize(self, x, dim, spec: OperandSpec, zero_outer=None) -> E4M3BlockOperand:
-        from adahop.kernels.quantize import quantize_operand_triton
-
-        _check(x, spec)
-        out = quantize_operand_triton(x, dim, packed=False, e4m3=True, group_scale=True, **_kernel_args(spec))
-        return E4M3BlockOperand(out["e4m3"], out["group_scale"])
-
-    # Each orientation is one pass here, so two calls read g twice, as the fused row-wise kernel
-    # (two launches) does: the layer quantizes g twice.
-    quantize_both = None
-
-    @staticmethod
-    def as_e4m3(op) -> E4M3BlockOperand:
-        if isinstance(op, E4M3BlockOperand):
-            return op
-        from adahop.kernels.unpack import unpack_to_e4m3
-
-        return E4M3BlockOperand(*unpack_to_e4m3(op, group_scale=True))
-
-    def mm_nt(self, a, b, out_dtype: torch.dtype) -> torch.Tensor:
-        a, b = self.as_e4m3(a), self.as_e4m3(b)
-        if a.e4m3.shape[1] != b.e4m3.shape[1]:
-            raise ValueError(f"operands disagree along K: {a.e4m3.shape[1]} vs {b.e4m3.shape[1]}")
-        M, N = a.e4m3.shape[0], b.e4m3.shape[0]
-        a_p = E4M3BlockOperand(_pad_rows(a.e4m3, 16), _pad_rows(a.group_scale, 16, 1.0))
-        b_p = E4M3BlockOperand(_pad_rows(b.e4m3, 16), _pad_rows(b.group_scale, 16, 1.0))
-        return _scaled_mm_block(a_p, b_p, out_dtype)[:M, :N]
