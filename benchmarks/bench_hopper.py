@@ -14,6 +14,9 @@
    split:  operands with few rows (quantized along T), K split over programs vs not.
    single: one chunk per row (one read) vs the two-pass e4m3 form, per operand of a layer.
    both:   the gradient's two orientations from one kernel vs two one-orientation calls.
+   oe:     outlier extraction's parts per shape: the norms; the selection (torch.topk + sort,
+           the reference's stable sort, kernels.topk); the high-precision slice GEMMs in two
+           layouts; the writes of the slices into the output.
 4. linear: AdaHOPLinear forward + backward per recipe vs BF16 ``nn.Linear`` at T = 16384, and the
            same recipes on the reference backend (fake-quant emulation, what FP4 libraries do on
            Hopper).
@@ -287,6 +290,48 @@ def section_both(res):
     res["quantize_both"] = rows
 
 
+def section_oe(res, shapes):
+    from adahop.kernels.topk import topk_indices
+    from adahop.ops.outliers import largest_k, outer_norms
+
+    rows, k = [], 64
+    for N, K in shapes:
+        x, g = activation((T, K)), activation((T, N), seed=5)
+        w = activation((N, K), seed=2) * 0.02
+        row = {"shape": (N, K), "k": k}
+        # norms: dgrad OE-left ranks g's rows (over N), wgrad OE-right x's columns (over T)
+        row["norms_g_rows_ms"] = bench(lambda: outer_norms(g, 0))  # noqa: B023
+        row["norms_x_cols_ms"] = bench(lambda: outer_norms(x, 1))  # noqa: B023
+        for name, n_vals in (("g_rows", outer_norms(g, 0)), ("x_cols", outer_norms(x, 1))):
+            want = largest_k(n_vals, k)
+            row[f"topk_{name}_equal"] = bool(torch.equal(topk_indices(n_vals, k), want))
+            row[f"topk_{name}_torch_topk_sort_ms"] = bench(lambda: torch.topk(n_vals, k, sorted=False).indices.sort().values)  # noqa: B023
+            row[f"topk_{name}_stable_sort_ms"] = bench(lambda: largest_k(n_vals, k))  # noqa: B023
+            row[f"topk_{name}_kernel_ms"] = bench(lambda: topk_indices(n_vals, k))  # noqa: B023
+        idx_t, idx_k = largest_k(outer_norms(g, 0), k), largest_k(outer_norms(x, 1), k)
+        g_rows, x_cols = g[idx_t], x[:, idx_k].contiguous()
+        row["gemm_dgrad_rows_ms"] = bench(lambda: g_rows @ w)  # noqa: B023   [k, N] @ [N, K]
+        row["gemm_dgrad_rows_transposed_ms"] = bench(lambda: (w.t() @ g_rows.t()).t())  # noqa: B023
+        row["gemm_wgrad_cols_ms"] = bench(lambda: g.t() @ x_cols)  # noqa: B023   [N, T] @ [T, k]
+        row["gemm_wgrad_cols_transposed_ms"] = bench(lambda: (x_cols.t() @ g).t())  # noqa: B023
+        dx, dw = torch.empty((T, K), dtype=torch.bfloat16, device="cuda"), torch.empty((N, K), dtype=torch.bfloat16, device="cuda")
+        v_rows, v_cols = g_rows @ w, g.t() @ x_cols
+
+        def put_rows():
+            dx[idx_t] = v_rows  # noqa: B023
+
+        def put_cols():
+            dw[:, idx_k] = v_cols  # noqa: B023
+
+        row["write_rows_index_put_ms"] = bench(put_rows)
+        row["write_rows_index_copy_ms"] = bench(lambda: dx.index_copy_(0, idx_t, v_rows))  # noqa: B023
+        row["write_cols_index_put_ms"] = bench(put_cols)
+        row["write_cols_index_copy_ms"] = bench(lambda: dw.index_copy_(1, idx_k, v_cols))  # noqa: B023
+        rows.append(row)
+        print("  oe", row, flush=True)
+    res["oe"] = rows
+
+
 # ---- 3. GEMM ------------------------------------------------------------------------------------
 def section_gemm(res):
     rows = []
@@ -428,11 +473,12 @@ def section_profile(res, recipe="adahop_lv2", shape=(14336, 4096)):
     torch.cuda.synchronize()
     pr.disable()
     buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(12)
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(15)
+    pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(30)
     print(f"  host: enqueue {t_enqueue * 1e3:.2f} ms/iter, total {t_total * 1e3:.2f} ms/iter", flush=True)
-    print(buf.getvalue()[-3000:], flush=True)
-    res["profile"] = dict(recipe=recipe, shape=shape, per_iteration_ms=[list(r) for r in table[:25]],
-                          host_enqueue_ms=t_enqueue * 1e3, host_total_ms=t_total * 1e3, cprofile=buf.getvalue()[-3000:])
+    print(buf.getvalue()[-9000:], flush=True)
+    res[f"profile_{N}x{K}"] = dict(recipe=recipe, shape=shape, per_iteration_ms=[list(r) for r in table[:25]],
+                                   host_enqueue_ms=t_enqueue * 1e3, host_total_ms=t_total * 1e3, cprofile=buf.getvalue()[-9000:])
     for name, ms, n in table[:25]:
         print(f"  prof {ms:7.3f} ms  x{n:<3d} {name}", flush=True)
 
@@ -467,7 +513,7 @@ def main():
     p.add_argument("--sections", default="check,quant,gemm,linear,memory")
     p.add_argument("--rep", type=int, default=200, help="do_bench budget per timing (ms)")
     p.add_argument("--recipes", default="mxfp4,mxfp4_iht,tseng,adahop_lv2,adahop_lv1")
-    p.add_argument("--shapes", default="all", help="'all' or 'N,K' of one shape")
+    p.add_argument("--shapes", default="all", help="'all' or shapes 'N,K', several joined by '/'")
     p.add_argument("--no-emulation", action="store_true", help="skip the reference-backend timing in 'linear'")
     args = p.parse_args()
     props = torch.cuda.get_device_properties(0)
@@ -475,7 +521,7 @@ def main():
            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "command": "python benchmarks/bench_hopper.py " + " ".join(sys.argv[1:])}
     print(f"{props.name}, torch {torch.__version__}, triton {triton.__version__}")
-    shapes = LLAMA_SHAPES if args.shapes == "all" else [tuple(int(v) for v in args.shapes.split(","))]
+    shapes = LLAMA_SHAPES if args.shapes == "all" else [tuple(int(v) for v in sh.split(",")) for sh in args.shapes.split("/")]
     sections = args.sections.split(",")
     for name in sections:
         t0 = time.perf_counter()
@@ -492,6 +538,8 @@ def main():
                 section_single(res)
             elif name == "both":
                 section_both(res)
+            elif name == "oe":
+                section_oe(res, shapes)
             elif name == "gemm":
                 section_gemm(res)
             elif name == "linear":
@@ -499,8 +547,9 @@ def main():
             elif name == "torchao":
                 # the AdaHOP recipes again in the same rows: one BF16 baseline for all
                 section_linear(res, args.recipes.split(","), [(14336, 4096)], with_reference=False, with_torchao=True)
-            elif name == "profile":  # the first of --shapes (all: (14336, 4096))
-                section_profile(res, shape=(14336, 4096) if args.shapes == "all" else shapes[0])
+            elif name == "profile":  # each of --shapes (all: (14336, 4096))
+                for shape in [(14336, 4096)] if args.shapes == "all" else shapes:
+                    section_profile(res, shape=shape)
             elif name == "memory":
                 section_memory(res)
         except Exception:

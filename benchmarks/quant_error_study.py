@@ -66,7 +66,8 @@ import torch
 
 import adahop
 from adahop.config import GemmConfig
-from adahop.linear import _mxfp4_gemm, make_gemm_plan, topk_outer
+from adahop.linear import _mxfp4_gemm, make_gemm_plan
+from adahop.ops.outliers import topk_outer
 from adahop.ops import get_backend
 from adahop.policy import flip, table_mode
 

@@ -88,14 +88,6 @@ class LayerPlan:
     needs_backward: bool = True  # False under no_grad / inference: nothing is saved for wgrad
 
 
-def topk_outer(t: torch.Tensor, outer_dim: int, k: int) -> torch.Tensor:
-    """Indices (sorted) of the k slices of 2-D ``t`` along ``outer_dim`` with the largest L2 norm
-    over the other dim (float32; k clamped to the dim)."""
-    norms = torch.linalg.vector_norm(t, dim=1 - outer_dim, dtype=torch.float32)
-    k = min(k, norms.numel())
-    return torch.topk(norms, k, sorted=False).indices.sort().values
-
-
 def _mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=None, b_cols_hp=None, b_cols_idx=None, a_q=None, out_dtype):
     """C = A @ B with A given as 2-D ``a`` (contraction along ``a_dim``) and B's transpose as 2-D
     ``b`` (contraction along ``b_dim``): the NT form. OE slices are chosen, zeroed, computed in
@@ -106,9 +98,9 @@ def _mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=
     quantized (the backward's gradient: both orientations come from one kernel)."""
     rows_idx = cols_idx = None
     if plan.mode == "iht+oe_left":
-        rows_idx = topk_outer(a, 1 - a_dim, plan.oe_k)
+        rows_idx = backend.select_outer(a, 1 - a_dim, plan.oe_k)
     elif plan.mode == "iht+oe_right" and b_cols_idx is None:
-        cols_idx = topk_outer(b, 1 - b_dim, plan.oe_k)
+        cols_idx = backend.select_outer(b, 1 - b_dim, plan.oe_k)
     if a_q is None:
         a_q = backend.quantize(a, a_dim, plan.a, zero_outer=rows_idx)
     # B may be the packed operand the forward saved (wgrad's x); mm_nt takes it as it is.
@@ -160,7 +152,7 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
         else:
             cols_idx = None
             if wg.mode == "iht+oe_right":  # OE on B = x's columns (input features)
-                cols_idx = topk_outer(x_TK, 1, wg.oe_k)
+                cols_idx = backend.select_outer(x_TK, 1, wg.oe_k)
             x_q = backend.quantize_packed(x_TK, 0, wg.b, zero_outer=cols_idx)
             ctx.wgrad_x_q = (x_q.shape, x_q.dim, x_q.block_size)
             saved += [x_q.codes, x_q.scale_e8m0]

@@ -9,7 +9,10 @@ A backend has three operations, all in the NT form of ``ops.operand``:
 * ``quantize_packed(...)``: the same as an ``MXFP4Tensor`` (packed 4-bit: what is saved for the
   backward);
 * ``mm_nt(a, b, out_dtype)``: ``C[M, N] = A[M, K] @ B[N, K]^T`` with fp32 accumulation; ``a``/``b``
-  are what ``quantize`` returned, or ``MXFP4Tensor``s.
+  are what ``quantize`` returned, or ``MXFP4Tensor``s;
+* ``select_outer(t, outer_dim, k)``: the sorted indices of the k outer slices of 2-D ``t`` that
+  outlier extraction computes in high precision (``ops.outliers``: the same slices on every
+  backend).
 
 Backends: ``reference`` (pure PyTorch, CPU and any GPU), ``triton`` (the fused Triton quantize
 kernel + the reference GEMM; also under ``TRITON_INTERPRET=1`` on the CPU), ``hopper_fp8``
@@ -32,6 +35,7 @@ import torch
 
 from adahop.formats.mxfp4 import MXFP4Tensor, dequantize_mxfp4
 from adahop.ops.operand import OperandSpec, quantize_operand
+from adahop.ops.outliers import topk_outer
 
 
 class ReferenceBackend:
@@ -53,6 +57,10 @@ class ReferenceBackend:
         return quantize_operand(x, dim, spec)
 
     quantize_packed = quantize
+
+    @staticmethod
+    def select_outer(t: torch.Tensor, outer_dim: int, k: int) -> torch.Tensor:
+        return topk_outer(t, outer_dim, k)
 
     def mm_nt(self, a: MXFP4Tensor, b: MXFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         if a.padded_size != b.padded_size or a.block_size != b.block_size:
@@ -122,29 +130,36 @@ def unavailable_reason(name: str, device=None) -> str | None:
     return None
 
 
-_INSTANCES: dict = {}
+_INSTANCES: dict = {}  # backend name -> instance; (name, device) -> the instance it resolved to
 
 
 def get_backend(name: str = "auto", device: torch.device | str | None = None):
     """The backend called ``name`` for ``device``; ``"auto"`` picks the first of ``native_mx``,
-    ``hopper_fp8`` and ``reference`` that can run there."""
+    ``hopper_fp8`` and ``reference`` that can run there. Each layer asks once per forward, so a
+    resolved (name, device) is remembered: the checks query the device."""
+    key = (name, str(_device(device)))
+    found = _INSTANCES.get(key)
+    if found is not None:
+        return found
+    resolved = name
     if name == "auto":
-        name = next(n for n in ("native_mx", "hopper_fp8", "reference") if unavailable_reason(n, device) is None)
-    reason = unavailable_reason(name, device)
+        resolved = next(n for n in ("native_mx", "hopper_fp8", "reference") if unavailable_reason(n, device) is None)
+    reason = unavailable_reason(resolved, device)
     if reason is not None:
         raise ValueError(reason)
-    if name not in _INSTANCES:
-        if name == "reference":
-            _INSTANCES[name] = ReferenceBackend()
+    if resolved not in _INSTANCES:
+        if resolved == "reference":
+            _INSTANCES[resolved] = ReferenceBackend()
         else:
             from adahop.ops import kernel_backends
 
-            _INSTANCES[name] = {
+            _INSTANCES[resolved] = {
                 "triton": kernel_backends.TritonBackend,
                 "hopper_fp8": kernel_backends.HopperFP8Backend,
                 "native_mx": kernel_backends.NativeMXBackend,
-            }[name]()
-    return _INSTANCES[name]
+            }[resolved]()
+    _INSTANCES[key] = _INSTANCES[resolved]
+    return _INSTANCES[key]
 
 
 def available_backends(device=None) -> tuple[str, ...]:

@@ -18,7 +18,8 @@ output dtypes we run it with unit scales into float32 and apply the two scales o
 ``native_mx``: the packed MXFP4 operands (what the quantize kernel writes) straight into
 ``tl.dot_scaled`` (``kernels.mx_gemm``): the block-scaled MMA of GPUs with MX tensor cores.
 
-Outlier extraction: the caller overwrites the output slices of the extracted rows/columns with
+Outlier extraction: the slices are chosen by ``kernels.topk`` from the reference's norms (one
+launch instead of ``torch.topk`` and a sort: the same indices). The caller overwrites the output slices of the extracted rows/columns with
 their high-precision result, and MXFP4 quantizes each outer slice on its own, so zeroing those
 slices first (``zero_outer``) cannot change the result: these backends skip it (one pass less).
 """
@@ -31,6 +32,7 @@ import torch
 
 from adahop.formats.mxfp4 import MXFP4Tensor, dequantize_mxfp4
 from adahop.ops.operand import OperandSpec
+from adahop.ops.outliers import outer_norms
 
 
 def _kernel_args(spec: OperandSpec) -> dict:
@@ -51,10 +53,18 @@ def _check(x: torch.Tensor, spec: OperandSpec) -> None:
         raise ValueError(f"the Triton kernels implement MX blocks of 32, got {spec.block_size}")
 
 
+def select_outer(t: torch.Tensor, outer_dim: int, k: int) -> torch.Tensor:
+    """``ops.outliers.topk_outer`` with the selection in one Triton launch."""
+    from adahop.kernels.topk import topk_indices
+
+    return topk_indices(outer_norms(t, outer_dim), k)
+
+
 class TritonBackend:
     """Triton quantize kernel + the reference GEMM."""
 
     name = "triton"
+    select_outer = staticmethod(select_outer)
 
     def quantize(self, x, dim, spec: OperandSpec, zero_outer=None) -> MXFP4Tensor:
         return self.quantize_packed(x, dim, spec, zero_outer)
@@ -91,6 +101,7 @@ class HopperFP8Backend:
     """Exact MXFP4 GEMMs through e4m3 + row scales and ``torch._scaled_mm`` (see module doc)."""
 
     name = "hopper_fp8"
+    select_outer = staticmethod(select_outer)
 
     def __init__(self, use_fast_accum: bool = False):
         self.use_fast_accum = use_fast_accum
