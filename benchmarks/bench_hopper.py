@@ -245,7 +245,8 @@ def section_single(res, N=14336, K=4096):
         KP = -(-t.shape[dim] // 32) * 32
         base = quantize_operand_triton(t, **kw)
         row = dict(case=name, KP=KP, default_ms=bench(lambda: quantize_operand_triton(t, **kw), rep=50))  # noqa: B023
-        for br, warps in ((1, 4), (1, 8), (1, 16), (2, 8), (2, 16)):
+        row["two_pass_ms"] = bench(lambda: quantize_operand_triton(t, single_chunk_max=0, **kw), rep=50)  # noqa: B023
+        for br, warps in ((1, 4), (1, 8), (2, 8), (4, 4), (8, 4)):
             cfg = dict(single_chunk_max=KP, block_r=br, num_warps=warps)
             try:
                 same = same_bits(quantize_operand_triton(t, **cfg, **kw), base)
@@ -255,7 +256,7 @@ def section_single(res, N=14336, K=4096):
                 row[f"single_r{br}_w{warps}_ms"] = f"{type(e).__name__}: {e}"[:120]
         rows.append(row)
         print("  single", row, flush=True)
-    res["single_chunk"] = rows
+    res.setdefault("single_chunk", []).extend(rows)
 
 
 # ---- 2d. both orientations of g from one kernel ---------------------------------------------------
@@ -535,7 +536,8 @@ def main():
             elif name == "split":
                 section_split(res)
             elif name == "single":
-                section_single(res)
+                for N, K in shapes:
+                    section_single(res, N, K)
             elif name == "both":
                 section_both(res)
             elif name == "oe":

@@ -92,7 +92,8 @@ def test_new_hash_keys_compile_nothing():
     assert len(kernel_cache) == compiled
 
 
-def test_quantize_kernel_special_values():
+@pytest.mark.parametrize("single_chunk_max", [0, 4096])  # the two-pass e4m3 form, and one chunk per row
+def test_quantize_kernel_special_values(single_chunk_max):
     x = make((16, 96))
     x[0, 5] = float("nan")
     x[1, 40] = float("inf")
@@ -103,7 +104,7 @@ def test_quantize_kernel_special_values():
     for h in (None, 32):
         spec = OperandSpec(hadamard_size=h)
         ref = quantize_operand(x, 1, spec)
-        out = quantize_operand_triton(x, 1, hadamard_size=h, e4m3=True)
+        out = quantize_operand_triton(x, 1, hadamard_size=h, e4m3=True, single_chunk_max=single_chunk_max)
         assert_same_mx(out["mx"], ref)
         assert (ref.scale_e8m0[:3] == 255).any(dim=1).all()
         # the e4m3 form carries NaN exactly where the MXFP4 value is NaN
@@ -113,12 +114,13 @@ def test_quantize_kernel_special_values():
         assert torch.equal(torch.nan_to_num(fold), torch.nan_to_num(deq))
 
 
+@pytest.mark.parametrize("single_chunk_max", [0, 4096])
 @pytest.mark.parametrize("dim,h", [(1, None), (1, 32), (0, 32)])
-def test_e4m3_fold_is_exact_within_14_binades(dim, h):
+def test_e4m3_fold_is_exact_within_14_binades(dim, h, single_chunk_max):
     x = make((32, 128), seed=3, outliers=False)  # row spread e**(2*randn): blocks stay close
     spec = OperandSpec(hadamard_size=h)
     ref = quantize_operand(x, dim, spec)
-    out = quantize_operand_triton(x, dim, hadamard_size=h, e4m3=True, sumsq=True)
+    out = quantize_operand_triton(x, dim, hadamard_size=h, e4m3=True, sumsq=True, single_chunk_max=single_chunk_max)
     assert_same_mx(out["mx"], ref)
     deq = dequantize_mxfp4(ref, keep_padding=True)
     assert torch.equal(out["e4m3"].float() * out["row_scale"][:, None], deq)
@@ -144,7 +146,7 @@ def test_e4m3_fold_rounds_far_blocks_within_bound():
 @pytest.mark.parametrize("dim,h,rounding", [(1, None, "rne"), (0, 32, "sr"), (1, 64, "rne")])
 def test_unpack_equals_direct_e4m3(dim, h, rounding):
     x = make((24, 100), seed=5)
-    args = dict(hadamard_size=h, rounding=rounding, sr_seed=7)
+    args = dict(hadamard_size=h, rounding=rounding, sr_seed=7, single_chunk_max=0)
     direct = quantize_operand_triton(x, dim, e4m3=True, **args)
     e4, rs = unpack_to_e4m3(direct["mx"])
     assert torch.equal(e4.view(torch.uint8), direct["e4m3"].view(torch.uint8))
@@ -216,7 +218,7 @@ def test_linear_on_triton_backend_equals_reference(recipe, modes):
 def test_single_chunk_path_equals_two_pass(dim, h, rounding):
     x = make((20, 200), seed=9)
     kw = dict(hadamard_size=h, rounding=rounding, sr_seed=3, e4m3=True, sumsq=True, block_k=64)
-    two = quantize_operand_triton(x, dim, **kw)
+    two = quantize_operand_triton(x, dim, single_chunk_max=0, **kw)
     one = quantize_operand_triton(x, dim, single_chunk_max=4096, **kw)
     assert_same_mx(one["mx"], two["mx"])
     assert torch.equal(one["e4m3"].view(torch.uint8), two["e4m3"].view(torch.uint8))
@@ -238,14 +240,15 @@ def test_inplace_butterfly_form_equals_reference(h):
 
 @pytest.mark.parametrize("dim,h,mode,rounding", [(1, 32, "even", "rne"), (0, None, "floor", "rne"), (1, 64, "rceil", "rne"),
                                                  (1, 32, "even", "sr"), (0, 16, "rceil", "sr")])
-def test_arithmetic_encoder_equals_compare_chains(dim, h, mode, rounding):
+@pytest.mark.parametrize("single_chunk_max", [0, 4096])
+def test_arithmetic_encoder_equals_compare_chains(dim, h, mode, rounding, single_chunk_max):
     """The arithmetic E2M1 encoder gives the reference codes (RNE and SR, special values too)
     and, for RNE, the same e4m3 bytes as the compare chain. (SR has only the arithmetic
     encoder: ``arith_e2m1`` selects the RNE encoder alone.)"""
     x = make((24, 96), seed=11)
     x[0, 3] = float("nan")
     x[1] = 0.0
-    kw = dict(hadamard_size=h, scale_mode=mode, rounding=rounding, sr_seed=21, e4m3=True)
+    kw = dict(hadamard_size=h, scale_mode=mode, rounding=rounding, sr_seed=21, e4m3=True, single_chunk_max=single_chunk_max)
     ref = quantize_operand(x, dim, OperandSpec(hadamard_size=h, scale_mode=mode, rounding=rounding, sr_seed=21))
     out = quantize_operand_triton(x, dim, arith_e2m1=True, **kw)
     assert_same_mx(out["mx"], ref)

@@ -187,17 +187,22 @@ def test_layer_seeds_follow_the_documented_formula():
 
     lin = nn.Linear(64, 32)
     layer = adahop.AdaHOPLinear.from_float(lin, config=adahop.AdaHOPConfig.from_recipe_name("tseng", seed=5), name="blocks.0.wq")
-    signs_checked = 0
+    signs_checked = sr_checked = 0
     for call in range(3):
         plan = layer._plan(torch.device("cpu"), False, 64)
         for gi, gemm in enumerate(("fprop", "dgrad", "wgrad")):
             g = getattr(plan, gemm)
-            assert g.a.sr_seed == mix_seeds(5, layer.layer_id, call, gi, 0)
-            assert g.b.sr_seed == mix_seeds(5, layer.layer_id, call, gi, 1)
+            for operand, spec in enumerate((g.a, g.b)):  # RNE draws nothing: no seed
+                if spec.rounding == "sr":
+                    assert spec.sr_seed == mix_seeds(5, layer.layer_id, call, gi, operand)
+                    sr_checked += 1
+                else:
+                    assert spec.sr_seed is None
             if g.a.signs_seed is not None:
                 assert g.a.signs_seed == mix_seeds(5, layer.layer_id, gi, 2)
                 signs_checked += 1
     assert signs_checked >= 3  # tseng signs its backward GEMMs: the signs formula was checked
+    assert sr_checked >= 3  # and rounds their gradients stochastically
     layer.config = layer.config.replace(seed=6)  # a new seed is picked up (the cached prefix is keyed)
     plan = layer._plan(torch.device("cpu"), False, 64)
-    assert plan.fprop.a.sr_seed == mix_seeds(6, layer.layer_id, 3, 0, 0)
+    assert plan.dgrad.a.sr_seed == mix_seeds(6, layer.layer_id, 3, 1, 0)

@@ -30,6 +30,7 @@ and they are frozen (and saved in the state_dict as extra state).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ class GemmPlan:
         return self.mode != "bf16"
 
 
-def make_gemm_plan(mode: str, cfg: GemmConfig, *, sr_seeds: tuple[int, int], signs_seed: int) -> GemmPlan:
+def make_gemm_plan(mode: str, cfg: GemmConfig, *, sr_seeds: tuple[int | None, int | None], signs_seed: int) -> GemmPlan:
     if mode == "bf16":
         return GemmPlan(mode, None, None, cfg.oe_k)
     iht = mode.startswith("iht")
@@ -244,7 +245,7 @@ class AdaHOPLinear(nn.Linear):
         self.patterns: dict | None = None
         self.modes: dict | None = None if config.adaptive else config.fixed_modes()
         self._oe_clamp_warned = False
-        self._seed_prefix = None  # ((seed, layer_id), mix_seeds of them, signs seeds), on first use
+        self._static_plan = None  # (key, seed chain prefix, GEMM plans without SR seeds): see _plan
         self._register_load_state_dict_pre_hook(self._fill_missing_extra_state, with_module=False)
 
     @classmethod
@@ -292,30 +293,54 @@ class AdaHOPLinear(nn.Linear):
 
     # ---- forward -------------------------------------------------------------------------------
     def _plan(self, device: torch.device, observe: bool, tokens: int, needs_backward: bool = True) -> LayerPlan:
-        modes = {g: "bf16" for g in GEMMS} if self.calibrating else self.modes
+        modes = self._BF16_MODES if self.calibrating else self.modes
         call = self.calls
         if needs_backward:  # forwards without a backward (evaluation) leave the SR sequence alone
-            self.calls += 1
+            # (a plain attribute: written past nn.Module.__setattr__'s checks, once per forward)
+            self.__dict__["calls"] = call + 1
         # SR seeds = mix_seeds(seed, layer_id, call, gemm, operand); signs seeds = mix_seeds(seed,
-        # layer_id, gemm, 2), fixed per layer and GEMM. The chain's fixed prefix is hashed once.
-        key = (self.config.seed, self.layer_id)
-        if self._seed_prefix is None or self._seed_prefix[0] != key:
-            prefix = mix_seeds(*key)
-            self._seed_prefix = (key, prefix, {g: mix_seeds_from(prefix, GEMM_INDEX[g], 2) for g in GEMMS})
-        _, prefix, signs_seeds = self._seed_prefix
-        call_state = mix_seeds_from(prefix, call)
-        plans = {}
-        for gemm in GEMMS:
-            gi = GEMM_INDEX[gemm]
-            sr = (mix_seeds_from(call_state, gi, 0), mix_seeds_from(call_state, gi, 1))
-            plans[gemm] = make_gemm_plan(modes[gemm], self.config.gemm(gemm), sr_seeds=sr, signs_seed=signs_seeds[gemm])
-        self._warn_oe_clamp(modes, tokens)
+        # layer_id, gemm, 2), fixed per layer and GEMM. What does not depend on the call (the
+        # chain's fixed prefix, the signs seeds, the plans of GEMMs without SR) is made once per
+        # (seed, layer, modes); an operand without SR gets no seed (RNE draws nothing).
+        key = (self.config.seed, self.layer_id, tuple(modes[g] for g in GEMMS))
+        static = self._static_plan
+        if static is None or static[0] != key:
+            static = self._static_plan = (key, *self._make_static_plan(modes))
+        _, prefix, templates = static
+        call_state = None
+        plans = []
+        for gemm, gi, template in templates:
+            if template.quantized and (template.a.rounding == "sr" or template.b.rounding == "sr"):
+                if call_state is None:
+                    call_state = mix_seeds_from(prefix, call)
+                a, b = template.a, template.b
+                if a.rounding == "sr":
+                    a = dataclasses.replace(a, sr_seed=mix_seeds_from(call_state, gi, 0))
+                if b.rounding == "sr":
+                    b = dataclasses.replace(b, sr_seed=mix_seeds_from(call_state, gi, 1))
+                template = GemmPlan(template.mode, a, b, template.oe_k)
+            plans.append(template)
+        if not self._oe_clamp_warned:
+            self._warn_oe_clamp(modes, tokens)
         return LayerPlan(
-            plans["fprop"], plans["dgrad"], plans["wgrad"],
+            *plans,
             backend=get_backend(self.config.backend, device),
             layer=self if observe else None,
             needs_backward=needs_backward,
         )
+
+    _BF16_MODES = {g: "bf16" for g in GEMMS}
+
+    def _make_static_plan(self, modes: dict) -> tuple:
+        """The chain prefix of the SR seeds and, per GEMM, its plan without SR seeds."""
+        prefix = mix_seeds(self.config.seed, self.layer_id)
+        templates = []
+        for gemm in GEMMS:
+            gi = GEMM_INDEX[gemm]
+            signs_seed = mix_seeds_from(prefix, gi, 2)
+            plan = make_gemm_plan(modes[gemm], self.config.gemm(gemm), sr_seeds=(None, None), signs_seed=signs_seed)
+            templates.append((gemm, gi, plan))
+        return prefix, tuple(templates)
 
     def _warn_oe_clamp(self, modes: dict, tokens: int) -> None:
         outer = {  # size of the outer dim OE selects from, per (gemm, mode)

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from adahop.formats.mxfp4 import MXFP4Tensor
+from adahop.kernels.launch import cdiv
 from adahop.kernels.mxfp4_math import pow2
 
 E8M0_ONE = 127  # the scale byte of 2**0, loaded for out-of-range blocks
@@ -154,7 +155,7 @@ def mxfp4_gemm_nt(
         return c
     if KP == 0:
         return c.zero_()
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    grid = (cdiv(M, block_m) * cdiv(N, block_n),)
     _mxfp4_gemm_kernel[grid](
         a.codes, a.scale_e8m0, b.codes, b.scale_e8m0,
         c.view(torch.int16) if out_dtype == torch.bfloat16 else c, M, N, KP,

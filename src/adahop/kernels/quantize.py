@@ -26,14 +26,20 @@ fits one chunk (``single_chunk_max``) is read once, in one launch.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from adahop.formats.mxfp4 import MXFP4Tensor
 from adahop.formats.rng import _lowbias32_int
+from adahop.kernels.launch import (
+    INTERPRETED,
+    FastLauncher,
+    cdiv,
+    dummy_pointer,
+    nan_bytes_view,
+    next_power_of_2,
+)
 from adahop.kernels.mxfp4_math import (
     SCALE_MODE_IDS,
     block_exponent,
@@ -47,7 +53,6 @@ from adahop.kernels.mxfp4_math import (
     pow2,
 )
 from adahop.transforms.hadamard import HADAMARD_NORM
-
 
 
 @triton.jit
@@ -248,15 +253,19 @@ def _mxfp4_quantize_kernel(
             tl.store(sumsq_ptr + sid * R + rows, sumsq, mask=row_ok)
 
 
+_QUANTIZE = FastLauncher(_mxfp4_quantize_kernel)
+
 # Launch configurations by (quantization dim of the 2-D operand, e4m3 output?): block_r rows per
 # program, block_k columns per chunk, warps, the longest padded row handled in one chunk (one
-# read instead of two for the e4m3 form), the butterfly form and the E2M1 encoder. Measured on
-# the H200 (benchmarks/results/hopper_h200.md): 16 x 256 with 4 warps and the in-place butterfly
-# was the fastest for 4 of the 5 variants (run 11); one chunk per row was slower for every operand
-# of the (14336, 4096) layer, with 1-2 rows and 4-16 warps per program (run 22), so it is off by
-# default; the arithmetic RNE encoder beat the compare chain in every variant (run 14: IHT e4m3
-# 0.334 -> 0.277 ms). (SR is always arithmetic: ``e2m1_sr``.)
-DEFAULT_LAUNCH = dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=0, fwht_inplace=True, arith_e2m1=True)
+# read and one launch instead of two for the e4m3 form), the butterfly form and the E2M1 encoder.
+# Measured on the H200 (benchmarks/results/): 16 x 256 with 4 warps and the in-place butterfly was
+# the fastest for 4 of the 5 variants (run 11); the arithmetic RNE encoder beat the compare chain
+# in every variant (run 14: IHT e4m3 0.334 -> 0.277 ms; SR is always arithmetic: ``e2m1_sr``).
+# One chunk per row: slower for every operand of the (14336, 4096) layer (rows of 4,096-16,384,
+# run 22), faster for rows of 768-2,048 at (2048, 768) (session 7 run 2: 0.062-0.103 ms against
+# 0.112-0.144 ms for the two passes, with 8,192 elements per program), hence up to 2,048.
+DEFAULT_LAUNCH = dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=2048, fwht_inplace=True, arith_e2m1=True)
+SINGLE_CHUNK_ELEMENTS = 8192  # per program, when a row is one chunk
 LAUNCH_CONFIGS: dict[tuple[int, bool], dict] = {}
 
 
@@ -376,15 +385,16 @@ def quantize_operand_triton(
         block_k //= 2  # (K = 384: two chunks of 256 would waste a quarter; three of 128 none)
     single = 0 < KP <= single_chunk_max  # one chunk per row: one read instead of two for e4m3
     if single:
-        block_k = max(triton.next_power_of_2(KP), align)
-    n_chunks = triton.cdiv(KP, block_k)
-    row_programs = triton.cdiv(R, block_r)
+        block_k = max(next_power_of_2(KP), align)
+        block_r = max(1, min(block_r, SINGLE_CHUNK_ELEMENTS // block_k))
+    n_chunks = cdiv(KP, block_k)
+    row_programs = cdiv(R, block_r)
     if k_splits is None:
         k_splits = auto_k_splits(row_programs, n_chunks, x.device)
     if isinstance(k_splits, bool) or not isinstance(k_splits, int) or k_splits < 1:
         raise ValueError(f"k_splits must be a positive int, got {k_splits!r}")
-    chunks_per_split = triton.cdiv(n_chunks, min(k_splits, n_chunks)) if n_chunks else 1
-    k_splits = max(1, triton.cdiv(n_chunks, chunks_per_split))  # no empty range
+    chunks_per_split = cdiv(n_chunks, min(k_splits, n_chunks)) if n_chunks else 1
+    k_splits = max(1, cdiv(n_chunks, chunks_per_split))  # no empty range
     split_k = chunks_per_split * block_k  # a multiple of the chunk: no block or group straddles two
     dev = x.device
     codes = torch.empty((R, KP // 2), dtype=torch.uint8, device=dev) if packed else None
@@ -394,12 +404,12 @@ def quantize_operand_triton(
     ss = torch.empty((k_splits, R), dtype=torch.float32, device=dev) if sumsq else None
     two_phase = e4m3 and not single  # the row maximum first (PHASE 1), then the emit (PHASE 2)
     epart = torch.empty((k_splits, R, 16), dtype=torch.uint8, device=dev) if two_phase else None
-    dummy = torch.empty((1,), dtype=torch.uint8, device=dev)
+    dummy = dummy_pointer(dev)
     grid = (row_programs, k_splits)
     args = (
         view, view.stride(0), view.stride(1),
         codes if packed else dummy, scales if packed else dummy,
-        e4 if e4m3 else dummy, e4.view(torch.uint8) if e4m3 else dummy,
+        e4 if e4m3 else dummy, nan_bytes_view(e4) if e4m3 else dummy,
         rs if e4m3 else dummy, ss if sumsq else dummy, epart if two_phase else dummy,
         R, K, KP, split_k, k_splits, op["sr_key"], op["sign_key"], op["norm"],
     )
@@ -407,7 +417,7 @@ def quantize_operand_triton(
         BLOCK_R=block_r, BLOCK_K=block_k, LOG2_H=op["log2_h"], HAS_SIGNS=op["has_signs"],
         SCALE_MODE=op["scale_mode"], SR=op["sr"], SINGLE_CHUNK=single,
         WRITE_PACKED=packed, WRITE_E4M3=e4m3, WRITE_SUMSQ=sumsq,
-        NAN_BY_CAST=os.environ.get("TRITON_INTERPRET") != "1",
+        NAN_BY_CAST=not INTERPRETED,
         FWHT_INPLACE=fwht_inplace, ARITH_E2M1=arith_e2m1,
         num_warps=num_warps,
     )
@@ -418,8 +428,8 @@ def quantize_operand_triton(
             ss.zero_()
     else:
         if two_phase:
-            _mxfp4_quantize_kernel[grid](*args, PHASE=1, **meta)
-        _mxfp4_quantize_kernel[grid](*args, PHASE=2 if two_phase else 0, **meta)
+            _QUANTIZE[grid](*args, PHASE=1, **meta)
+        _QUANTIZE[grid](*args, PHASE=2 if two_phase else 0, **meta)
     if sumsq and k_splits > 1:
         ss = ss.sum(0, keepdim=True)
     out = {}

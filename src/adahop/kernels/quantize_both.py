@@ -22,14 +22,19 @@ those of the one-orientation kernel, so the outputs are identical (tested).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from adahop.kernels.launch import INTERPRETED, FastLauncher, cdiv, nan_bytes_view
 from adahop.kernels.mxfp4_math import pow2
-from adahop.kernels.quantize import _blocks, _emit_chunk, _store_row_exponent, _transform, operand_args
+from adahop.kernels.quantize import (
+    _blocks,
+    _emit_chunk,
+    _store_row_exponent,
+    _transform,
+    operand_args,
+)
 
 
 @triton.jit(do_not_specialize=["sr_key_a", "sr_key_b", "sign_key_a", "sign_key_b"])
@@ -75,6 +80,9 @@ def _quantize_both_kernel(
                     e4b_ptr, e4b_ptr, e4b_ptr, e4b_bits_ptr, BLOCK_C, BLOCK_R, SR_B, False, True, NAN_BY_CAST, True)
 
 
+_QUANTIZE_BOTH = FastLauncher(_quantize_both_kernel)
+
+
 def quantize_both_e4m3(x: torch.Tensor, along_cols: dict, along_rows: dict, *, block_r: int | None = None, block_c: int | None = None, num_warps: int | None = None):
     """Quantize 2-D ``x`` [R, C] along C (``along_cols``: the keywords of
     ``quantize_operand_triton`` for ``dim=1``) and along R (``along_rows``: for ``dim=0``).
@@ -110,25 +118,25 @@ def quantize_both_e4m3(x: torch.Tensor, along_cols: dict, along_rows: dict, *, b
         rsa.fill_(2.0**-133)
         rsb.fill_(2.0**-133)
         return out_a, out_b
-    grid = (triton.cdiv(RP, block_r), triton.cdiv(CP, block_c))  # covers the padding of both
+    grid = (cdiv(RP, block_r), cdiv(CP, block_c))  # covers the padding of both
     parta = torch.empty((grid[1], R, 16), dtype=torch.uint8, device=dev)
     partb = torch.empty((grid[0], C, 16), dtype=torch.uint8, device=dev)
     emaxa = torch.empty((R,), dtype=torch.uint8, device=dev)
     emaxb = torch.empty((C,), dtype=torch.uint8, device=dev)
     args = (
         x, x.stride(0), x.stride(1), R, C, RP, CP,
-        e4a, e4a.view(torch.uint8), rsa, parta, emaxa,
-        e4b, e4b.view(torch.uint8), rsb, partb, emaxb,
+        e4a, nan_bytes_view(e4a), rsa, parta, emaxa,
+        e4b, nan_bytes_view(e4b), rsb, partb, emaxb,
         a["sr_key"], b["sr_key"], a["sign_key"], b["sign_key"], a["norm"], b["norm"],
     )
     meta = dict(
         BLOCK_R=block_r, BLOCK_C=block_c, LOG2_HA=a["log2_h"], LOG2_HB=b["log2_h"],
         HAS_SIGNS_A=a["has_signs"], HAS_SIGNS_B=b["has_signs"], SCALE_MODE_A=a["scale_mode"],
         SCALE_MODE_B=b["scale_mode"], SR_A=a["sr"], SR_B=b["sr"],
-        NAN_BY_CAST=os.environ.get("TRITON_INTERPRET") != "1", num_warps=num_warps,
+        NAN_BY_CAST=not INTERPRETED, num_warps=num_warps,
     )
-    _quantize_both_kernel[grid](*args, PHASE=1, **meta)
+    _QUANTIZE_BOTH[grid](*args, PHASE=1, **meta)
     torch.amax(parta[:, :, 0], dim=0, out=emaxa)
     torch.amax(partb[:, :, 0], dim=0, out=emaxb)
-    _quantize_both_kernel[grid](*args, PHASE=2, **meta)
+    _QUANTIZE_BOTH[grid](*args, PHASE=2, **meta)
     return out_a, out_b

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from adahop.kernels.launch import FastLauncher, next_power_of_2
+
 
 @triton.jit
 def _order_key(v):
@@ -83,6 +85,7 @@ def _topk_kernel(v_ptr, out_ptr, n, k, BLOCK: tl.constexpr, ONE_BLOCK: tl.conste
         ties_seen += tl.sum(tie.to(tl.int32), axis=0)
 
 
+_TOPK = FastLauncher(_topk_kernel)
 MAX_BLOCK = 16384  # values held in registers: 64 per thread with 8 warps
 
 
@@ -100,7 +103,7 @@ def topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
         return out
     if n >= 2**31:
         raise ValueError(f"topk_indices takes fewer than 2**31 values, got {n}")
-    block = min(MAX_BLOCK, max(128, triton.next_power_of_2(n)))
-    _topk_kernel[(1,)](values.contiguous(), out, n, k, BLOCK=block, ONE_BLOCK=n <= block,
+    block = min(MAX_BLOCK, max(128, next_power_of_2(n)))
+    _TOPK[(1,)](values.contiguous(), out, n, k, BLOCK=block, ONE_BLOCK=n <= block,
                        num_warps=8 if block >= 4096 else 4)
     return out

@@ -10,13 +10,12 @@ then one program per (row group, chunk) that converts the codes: a pure bandwidt
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from adahop.formats.mxfp4 import MXFP4Tensor
+from adahop.kernels.launch import INTERPRETED, FastLauncher, cdiv, nan_bytes_view
 from adahop.kernels.mxfp4_math import pow2
 
 
@@ -75,6 +74,10 @@ def _mxfp4_unpack_kernel(
         tl.store(e4m3_bits_ptr + eoffs, tl.full((BLOCK_R, BLOCK_K), 0x7F, tl.uint8), mask=em & (~fin))
 
 
+_ROW_EXPONENT = FastLauncher(_row_exponent_kernel)
+_UNPACK = FastLauncher(_mxfp4_unpack_kernel)
+
+
 def unpack_to_e4m3(q: MXFP4Tensor, *, block_r: int = 16, block_k: int = 256, num_warps: int = 4):
     """(e4m3 [R, KP], row_scale [R]) of a 2-D-layout MXFP4Tensor (quantization dim last)."""
     if q.block_size != 32 or q.codes.dim() != 2:
@@ -89,11 +92,11 @@ def unpack_to_e4m3(q: MXFP4Tensor, *, block_r: int = 16, block_k: int = 256, num
     if R == 0:
         return e4, rs
     emax = torch.empty((R,), dtype=torch.int32, device=dev)
-    _row_exponent_kernel[(triton.cdiv(R, block_r),)](q.scale_e8m0, emax, rs, R, KP // 32, BLOCK_R=block_r, BLOCK_B=64, num_warps=num_warps)
+    _ROW_EXPONENT[(cdiv(R, block_r),)](q.scale_e8m0, emax, rs, R, KP // 32, BLOCK_R=block_r, BLOCK_B=64, num_warps=num_warps)
     if KP:
-        _mxfp4_unpack_kernel[(triton.cdiv(R, block_r), triton.cdiv(KP, block_k))](
-            q.codes, q.scale_e8m0, emax, e4, e4.view(torch.uint8), R, KP,
-            BLOCK_R=block_r, BLOCK_K=block_k, NAN_BY_CAST=os.environ.get("TRITON_INTERPRET") != "1",
+        _UNPACK[(cdiv(R, block_r), cdiv(KP, block_k))](
+            q.codes, q.scale_e8m0, emax, e4, nan_bytes_view(e4), R, KP,
+            BLOCK_R=block_r, BLOCK_K=block_k, NAN_BY_CAST=not INTERPRETED,
             num_warps=num_warps,
         )
     return e4, rs

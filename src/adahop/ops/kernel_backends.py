@@ -139,17 +139,19 @@ class HopperFP8Backend:
         if a.e4m3.shape[1] != b.e4m3.shape[1]:
             raise ValueError(f"operands disagree along K: {a.e4m3.shape[1]} vs {b.e4m3.shape[1]}")
         M, N = a.e4m3.shape[0], b.e4m3.shape[0]
-        # _scaled_mm needs outer dims that are multiples of 16 (K is a multiple of 32 already).
-        a_e4, b_e4 = _pad_rows(a.e4m3, 16), _pad_rows(b.e4m3, 16)
-        a_s = _pad_rows(a.row_scale, 16, 1.0)[:, None]
-        b_s = _pad_rows(b.row_scale, 16, 1.0)[None, :]
+        a_e4, b_e4, a_s, b_s = a.e4m3, b.e4m3, a.row_scale, b.row_scale
+        padded = M % 16 or N % 16
+        if padded:  # _scaled_mm needs outer dims that are multiples of 16 (K is a multiple of 32)
+            a_e4, b_e4 = _pad_rows(a_e4, 16), _pad_rows(b_e4, 16)
+            a_s, b_s = _pad_rows(a_s, 16, 1.0), _pad_rows(b_s, 16, 1.0)
+        a_s, b_s = a_s.unsqueeze(1), b_s.unsqueeze(0)
         if out_dtype == torch.bfloat16:
             c = torch._scaled_mm(a_e4, b_e4.t(), scale_a=a_s, scale_b=b_s, out_dtype=torch.bfloat16, use_fast_accum=self.use_fast_accum)
         else:
             one = torch.ones((), dtype=torch.float32, device=a_e4.device)
             c = torch._scaled_mm(a_e4, b_e4.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=self.use_fast_accum)
             c = (c * a_s * b_s).to(out_dtype)
-        return c[:M, :N]
+        return c[:M, :N] if padded else c
 
 
 class NativeMXBackend(TritonBackend):
