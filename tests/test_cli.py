@@ -74,3 +74,16 @@ def test_steady_tokens_per_s_counts_steps_not_records():
     # log_every = 5: records at steps 5, 10, ..., 100; calibration 30 steps -> steps 35.. count
     records = [{"step": s, "tok_per_s": 1.0 if s <= 30 else float(s)} for s in range(5, 101, 5)]
     assert cli.steady_tokens_per_s(records, calibration_steps=30) == 70.0
+
+
+def test_oe_k_and_calibration_overrides(corpus, tmp_path):
+    """--oe-k and --calibration-steps reach the run's config and its layers (the modes are frozen
+    after that many steps)."""
+    run = tmp_path / "k"
+    args = train_args(corpus, run, steps=3) + ["--oe-k", "3", "--calibration-steps", "2"]
+    assert cli.main(args) == 0
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["oe_k"] == 3 and cfg["calibration_steps"] == 2
+    records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    assert [r["calibrated"] for r in records if "loss" in r] == [False, True, True]
+    assert cli.main(train_args(corpus, tmp_path / "bad", steps=1) + ["--oe-k", "0"]) == 2

@@ -62,7 +62,8 @@ def run_train(args) -> dict:
     cfg = preset(args.preset, recipe=args.recipe, steps=args.steps, batch_size=args.batch_size,
                  grad_accum=args.grad_accum, lr=args.lr, seed=args.seed, out_dir=args.out,
                  corpus_dir=args.corpus, model_size=args.model_size, device=args.device,
-                 seq_len=args.seq_len, progress=not args.no_progress)
+                 seq_len=args.seq_len, oe_k=args.oe_k, calibration_steps=args.calibration_steps,
+                 progress=not args.no_progress)
     cfg.validate()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -184,6 +185,8 @@ def _add_train_args(p):
     g.add_argument("--seed", type=int)
     g.add_argument("--model-size")
     g.add_argument("--device")
+    g.add_argument("--oe-k", type=int, help="slices outlier extraction computes in high precision, per GEMM")
+    g.add_argument("--calibration-steps", type=int, help="BF16 steps that classify the outlier patterns")
     g = p.add_argument_group("behaviour")
     g.add_argument("--no-resume", action="store_true", help="start over even if the run folder has a checkpoint")
     g.add_argument("--no-progress", action="store_true")
