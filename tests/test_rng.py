@@ -3,6 +3,7 @@ definition."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -206,3 +207,18 @@ def test_layer_seeds_follow_the_documented_formula():
     layer.config = layer.config.replace(seed=6)  # a new seed is picked up (the cached prefix is keyed)
     plan = layer._plan(torch.device("cpu"), False, 64)
     assert plan.dgrad.a.sr_seed == mix_seeds(6, layer.layer_id, 3, 1, 0)
+
+
+def test_plan_follows_a_new_config():
+    """The layer's cached plan is rebuilt when its config is replaced (here: another Hadamard
+    size and rounding for fprop's activation)."""
+    import adahop
+    from torch import nn
+
+    layer = adahop.AdaHOPLinear.from_float(nn.Linear(64, 32), config=adahop.AdaHOPConfig.from_recipe_name("mxfp4_iht"), name="p")
+    assert layer._plan(torch.device("cpu"), False, 64).fprop.a.hadamard_size == 32
+    cfg = layer.config
+    layer.config = cfg.replace(fprop=dataclasses.replace(cfg.fprop, hadamard_size=64, a_rounding="sr"))
+    plan = layer._plan(torch.device("cpu"), False, 64)
+    assert plan.fprop.a.hadamard_size == 64 and plan.fprop.a.rounding == "sr"
+    assert plan.fprop.a.sr_seed == mix_seeds(cfg.seed, layer.layer_id, 1, 0, 0)

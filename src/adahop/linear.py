@@ -245,7 +245,7 @@ class AdaHOPLinear(nn.Linear):
         self.patterns: dict | None = None
         self.modes: dict | None = None if config.adaptive else config.fixed_modes()
         self._oe_clamp_warned = False
-        self._static_plan = None  # (key, seed chain prefix, GEMM plans without SR seeds): see _plan
+        self._static_plan = None  # (config, key, seed chain prefix, GEMM plans without SR seeds): _plan
         self._register_load_state_dict_pre_hook(self._fill_missing_extra_state, with_module=False)
 
     @classmethod
@@ -301,12 +301,13 @@ class AdaHOPLinear(nn.Linear):
         # SR seeds = mix_seeds(seed, layer_id, call, gemm, operand); signs seeds = mix_seeds(seed,
         # layer_id, gemm, 2), fixed per layer and GEMM. What does not depend on the call (the
         # chain's fixed prefix, the signs seeds, the plans of GEMMs without SR) is made once per
-        # (seed, layer, modes); an operand without SR gets no seed (RNE draws nothing).
-        key = (self.config.seed, self.layer_id, tuple(modes[g] for g in GEMMS))
+        # (config, layer, modes); an operand without SR gets no seed (RNE draws nothing). The
+        # config is frozen: a new one (``layer.config = ...``) is a new object.
+        key = (self.layer_id, tuple(modes[g] for g in GEMMS))
         static = self._static_plan
-        if static is None or static[0] != key:
-            static = self._static_plan = (key, *self._make_static_plan(modes))
-        _, prefix, templates = static
+        if static is None or static[0] is not self.config or static[1] != key:
+            static = self._static_plan = (self.config, key, *self._make_static_plan(modes))
+        _, _, prefix, templates = static
         call_state = None
         plans = []
         for gemm, gi, template in templates:
