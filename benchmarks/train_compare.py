@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 import adahop
 from adahop import cli
 
@@ -61,6 +63,10 @@ def main(argv=None) -> int:
         return write_report(args, out)
     if args.gpus < 1 or args.per_gpu < 1:
         p.error("--gpus and --per-gpu must be >= 1")
+    visible = torch.cuda.device_count()
+    if 0 < visible < args.gpus:  # (with no GPU at all every worker runs on the CPU, alike)
+        p.error(f"--gpus {args.gpus} needs {args.gpus} visible GPUs, this machine has {visible}: the "
+                "workers without one would train on the CPU, whose results are not the GPU's")
     if args.gpus * args.per_gpu > 1:
         return run_parallel(args)
     for recipe in args.recipes:
