@@ -23,6 +23,9 @@
    torchao: torchao float8 rowwise and tensorwise (compiled), with the AdaHOP recipes in the
            same rows (one BF16 baseline), when torchao imports.
    profile: where the time of one AdaHOP linear goes (CUDA kernels, host enqueue).
+   graph:  forward + backward captured in a CUDA graph and replayed, AdaHOP and BF16, against
+           eager: what removing the host's share would give. A timing probe only: the SR keys
+           are Python ints baked into the capture, so every replay repeats one call's draws.
 5. memory: bytes saved for the backward per recipe vs BF16.
 
 Times are ``triton.testing.do_bench`` medians (ms) after warm-up, on random data. Prints short
@@ -484,6 +487,39 @@ def section_profile(res, recipe="adahop_lv2", shape=(14336, 4096)):
         print(f"  prof {ms:7.3f} ms  x{n:<3d} {name}", flush=True)
 
 
+def section_graph(res, recipes, shapes):
+    rows = []
+    for N, K in shapes:
+        x, g, base = linear_case(N, K)
+        row = {"shape": (N, K), "bf16_eager_ms": base}
+        for recipe in ["bf16_nn", *recipes]:
+            run = fwd_bwd_fn(make_layer(recipe, N, K, "hopper_fp8"), x, g)
+            if recipe != "bf16_nn":
+                row[f"{recipe}_eager_ms"] = bench(run)
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
+                    for _ in range(3):
+                        run()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run()
+                row[f"{recipe}_graph_ms"] = bench(graph.replay)
+                del graph
+            except Exception as e:
+                row[f"{recipe}_graph_ms"] = f"{type(e).__name__}: {e}"[:300]
+        for recipe in recipes:
+            for mode in ("eager", "graph"):
+                t = row.get(f"{recipe}_{mode}_ms")
+                if isinstance(t, float):
+                    row[f"{recipe}_{mode}_vs_bf16_eager"] = base / t
+        rows.append(row)
+        print("  graph", row, flush=True)
+    res["graph"] = rows
+
+
 # ---- 5. memory ----------------------------------------------------------------------------------
 def section_memory(res):
     N, K = 14336, 4096
@@ -552,6 +588,8 @@ def main():
             elif name == "profile":  # each of --shapes (all: (14336, 4096))
                 for shape in [(14336, 4096)] if args.shapes == "all" else shapes:
                     section_profile(res, shape=shape)
+            elif name == "graph":
+                section_graph(res, args.recipes.split(","), shapes)
             elif name == "memory":
                 section_memory(res)
         except Exception:
