@@ -14,6 +14,7 @@
    split:  operands with few rows (quantized along T), K split over programs vs not.
    single: one chunk per row (one read) vs the two-pass e4m3 form, per operand of a layer.
    both:   the gradient's two orientations from one kernel vs two one-orientation calls.
+   bothx:  the activation's two (e4m3 along K, packed along T) from one kernel vs two calls.
    oe:     outlier extraction's parts per shape: the norms; the selection (torch.topk + sort,
            the reference's stable sort, kernels.topk); the high-precision slice GEMMs in two
            layouts; the writes of the slices into the output.
@@ -265,8 +266,8 @@ def section_single(res, N=14336, K=4096):
 # ---- 2d. both orientations of g from one kernel ---------------------------------------------------
 def section_both(res):
     """The backward's gradient g [T, N] quantized along N (dgrad, SR) and along T (wgrad, SR):
-    two one-orientation calls (4 reads of g) against ``quantize_both_e4m3`` (2 reads), per tile."""
-    from adahop.kernels.quantize_both import quantize_both_e4m3
+    two one-orientation calls (4 reads of g) against ``quantize_both`` (2 reads), per tile."""
+    from adahop.kernels.quantize_both import quantize_both
 
     rows = []
     for N in (14336, 4096):
@@ -283,15 +284,41 @@ def section_both(res):
         for br, bc, warps in ((64, 64, 4), (32, 128, 4), (64, 128, 8), (128, 64, 8), (128, 128, 8), (64, 64, 8), (32, 64, 4)):
             key = f"tile{br}x{bc}_w{warps}"
             try:
-                got = quantize_both_e4m3(g, cols, rws, block_r=br, block_c=bc, num_warps=warps)
+                got = quantize_both(g, cols, rws, block_r=br, block_c=bc, num_warps=warps)
                 row[key + "_bit_exact"] = all(same_bits(a, b) for a, b in zip(got, want))
-                row[key + "_ms"] = bench(lambda: quantize_both_e4m3(g, cols, rws, block_r=br, block_c=bc, num_warps=warps), rep=50)  # noqa: B023
+                row[key + "_ms"] = bench(lambda: quantize_both(g, cols, rws, block_r=br, block_c=bc, num_warps=warps), rep=50)  # noqa: B023
             except Exception as e:
                 row[key + "_ms"] = f"{type(e).__name__}: {e}"[:120]
-        row["default_ms"] = bench(lambda: quantize_both_e4m3(g, cols, rws), rep=50)  # noqa: B023
+        row["default_ms"] = bench(lambda: quantize_both(g, cols, rws), rep=50)  # noqa: B023
         rows.append(row)
         print("  both", row, flush=True)
     res["quantize_both"] = rows
+
+
+def section_both_x(res):
+    """The forward's activation x [T, K]: along K in the e4m3 form (fprop, RNE) and along T in
+    the packed form (saved for wgrad): two one-orientation calls (3 reads of x) against
+    ``quantize_both(..., rows_form="packed")`` (2 reads)."""
+    from adahop.kernels.quantize_both import quantize_both
+
+    rows = []
+    for K in (4096, 2048, 768):
+        x = activation((T, K))
+        cols, rws = dict(hadamard_size=32), dict(hadamard_size=32)
+
+        def separate():
+            return (quantize_operand_triton(x, 1, e4m3=True, packed=False, **cols),  # noqa: B023
+                    quantize_operand_triton(x, 0, **rws))  # noqa: B023
+
+        want_a, want_b = separate()
+        got_a, got_b = quantize_both(x, cols, rws, rows_form="packed")
+        exact = same_bits(got_a, want_a) and torch.equal(got_b["mx"].codes, want_b["mx"].codes) \
+            and torch.equal(got_b["mx"].scale_e8m0, want_b["mx"].scale_e8m0)
+        row = {"x": (T, K), "bit_exact": exact, "two_calls_ms": bench(separate, rep=50),
+               "fused_ms": bench(lambda: quantize_both(x, cols, rws, rows_form="packed"), rep=50)}  # noqa: B023
+        rows.append(row)
+        print("  both x", row, flush=True)
+    res["quantize_both_x"] = rows
 
 
 def section_oe(res, shapes):
@@ -576,6 +603,8 @@ def main():
                     section_single(res, N, K)
             elif name == "both":
                 section_both(res)
+            elif name == "bothx":
+                section_both_x(res)
             elif name == "oe":
                 section_oe(res, shapes)
             elif name == "gemm":

@@ -8,7 +8,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from adahop.kernels.quantize import quantize_operand_triton  # noqa: E402
-from adahop.kernels.quantize_both import quantize_both_e4m3  # noqa: E402
+from adahop.kernels.quantize_both import quantize_both  # noqa: E402
 from adahop.ops.kernel_backends import HopperFP8Backend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -43,7 +43,7 @@ def separately(x, cols, rows):
 )
 def test_equals_two_one_orientation_calls(shape, cols, rows, tile):
     x = make(shape, seed=sum(shape))
-    a, b = quantize_both_e4m3(x, cols, rows, **tile)
+    a, b = quantize_both(x, cols, rows, **tile)
     want_a, want_b = separately(x, cols, rows)
     assert_same(a, want_a)
     assert_same(b, want_b)
@@ -57,16 +57,40 @@ def test_special_values():
     x[50, 60] = float("inf")
     x[60, 5] = float("-inf")
     cols, rows = dict(hadamard_size=32, rounding="sr", sr_seed=7), dict(hadamard_size=32)
-    a, b = quantize_both_e4m3(x, cols, rows)
+    a, b = quantize_both(x, cols, rows)
     want_a, want_b = separately(x, cols, rows)
     assert_same(a, want_a)
     assert_same(b, want_b)
 
 
+@pytest.mark.parametrize(
+    "shape,cols,rows,tile",
+    [
+        ((100, 150), dict(hadamard_size=32, signs_seed=9), dict(hadamard_size=32, rounding="sr", sr_seed=6), {}),
+        ((64, 64), dict(), dict(), {}),
+        ((130, 96), dict(hadamard_size=16, rounding="sr", sr_seed=3, scale_mode="rceil"), dict(hadamard_size=64, scale_mode="floor"), {}),
+        ((40, 200), dict(hadamard_size=32), dict(hadamard_size=32, signs_seed=4), dict(block_r=32, block_c=128)),
+    ],
+)
+def test_packed_rows_equal_one_orientation_calls(shape, cols, rows, tile):
+    """``rows_form="packed"``: orientation B in the packed MXFP4 form (what the forward saves of
+    x) equals the one-orientation packed kernel (itself equal to the reference), codes and scale
+    bytes; orientation A equals the e4m3 call. Special values included."""
+    x = make(shape, seed=sum(shape) + 1)
+    x[3, 7] = float("nan")
+    x[5, :] = 0.0
+    x[:, 11] = float("-inf")
+    a, b = quantize_both(x, cols, rows, rows_form="packed", **tile)
+    assert_same(a, quantize_operand_triton(x, 1, e4m3=True, packed=False, **cols))
+    want = quantize_operand_triton(x, 0, **rows)["mx"]
+    assert torch.equal(b["mx"].codes, want.codes) and torch.equal(b["mx"].scale_e8m0, want.scale_e8m0)
+    assert (b["mx"].shape, b["mx"].dim, b["mx"].block_size) == (want.shape, want.dim, want.block_size)
+
+
 @pytest.mark.parametrize("shape", [(0, 40), (40, 0), (0, 0)])
 def test_empty_operands(shape):
     x = torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE)
-    a, b = quantize_both_e4m3(x, dict(hadamard_size=32), dict(hadamard_size=32))
+    a, b = quantize_both(x, dict(hadamard_size=32), dict(hadamard_size=32))
     want_a, want_b = separately(x, dict(hadamard_size=32), dict(hadamard_size=32))
     for got, want in ((a, want_a), (b, want_b)):
         assert got["e4m3"].shape == want["e4m3"].shape
@@ -76,21 +100,23 @@ def test_empty_operands(shape):
 def test_bad_arguments():
     x = make((64, 64))
     with pytest.raises(ValueError, match="2-D"):
-        quantize_both_e4m3(x[0], {}, {})
+        quantize_both(x[0], {}, {})
     with pytest.raises(ValueError, match="block_c must be a power of two and a multiple of 64"):
-        quantize_both_e4m3(x, dict(hadamard_size=64), {}, block_c=32)
+        quantize_both(x, dict(hadamard_size=64), {}, block_c=32)
     with pytest.raises(ValueError, match="block_r"):
-        quantize_both_e4m3(x, {}, {}, block_r=96)
+        quantize_both(x, {}, {}, block_r=96)
     with pytest.raises(ValueError, match="sr_seed"):
-        quantize_both_e4m3(x, dict(rounding="sr"), {})
+        quantize_both(x, dict(rounding="sr"), {})
     with pytest.raises(ValueError, match="rounding"):
-        quantize_both_e4m3(x, {}, dict(rounding="nearest"))
+        quantize_both(x, {}, dict(rounding="nearest"))
     with pytest.raises(ValueError, match="scale_mode"):
-        quantize_both_e4m3(x, dict(scale_mode="round"), {})
+        quantize_both(x, dict(scale_mode="round"), {})
     with pytest.raises(ValueError, match="hadamard_size"):
-        quantize_both_e4m3(x, {}, dict(hadamard_size=48))
+        quantize_both(x, {}, dict(hadamard_size=48))
     with pytest.raises(ValueError, match="block_size"):
-        quantize_both_e4m3(x, dict(block_size=16), {})
+        quantize_both(x, dict(block_size=16), {})
+    with pytest.raises(ValueError, match="rows_form must be 'e4m3' or 'packed'"):
+        quantize_both(x, {}, {}, rows_form="fp8")
 
 
 class _EmulatedHopper(HopperFP8Backend):
@@ -106,29 +132,32 @@ class _EmulatedHopper(HopperFP8Backend):
 
 class _EmulatedHopperSeparate(_EmulatedHopper):
     quantize_both = None  # the backward quantizes g twice, as without the fused kernel
+    quantize_and_pack = None  # and the forward x twice
 
 
 @pytest.mark.parametrize("recipe,modes", [
     ("adahop_lv2", {"fprop": "iht", "dgrad": "iht+oe_left", "wgrad": "iht+oe_right"}),
     ("tseng", None),
 ])
-def test_layer_backward_same_with_and_without_fusion(monkeypatch, layer_on_backend, recipe, modes):
-    """The layer's gradients are the same bits whether g's two quantizations come from one
-    kernel or from two calls (and the fused kernel is what the layer calls)."""
+def test_layer_same_with_and_without_fusion(monkeypatch, layer_on_backend, recipe, modes):
+    """The layer's output and gradients are the same bits whether x's two quantizations (forward)
+    and g's two (backward) come from one kernel each or from two calls (and the fused kernels are
+    what the layer calls)."""
     T, K, N = 64, 64, 96
     x, g = make((T, K), seed=1), make((T, N), seed=3)
     w = make((N, K), seed=2).float() * 0.1
     calls = []
-    real = HopperFP8Backend.quantize_both
+    for name in ("quantize_both", "quantize_and_pack"):
+        real = getattr(HopperFP8Backend, name)
 
-    def counting(self, *args):
-        calls.append(1)
-        return real(self, *args)
+        def counting(self, *args, _real=real, _name=name):
+            calls.append(_name)
+            return _real(self, *args)
 
-    monkeypatch.setattr(_EmulatedHopper, "quantize_both", counting)
+        monkeypatch.setattr(_EmulatedHopper, name, counting)
     outs = [layer_on_backend(backend, recipe, x, w, g, modes)
             for backend in (_EmulatedHopper(), _EmulatedHopperSeparate())]
-    assert len(calls) == 1
+    assert sorted(calls) == ["quantize_and_pack", "quantize_both"]
     for ref, got in zip(outs[1], outs[0]):
         assert torch.equal(ref, got)
     assert torch.isfinite(outs[0][2]).all()

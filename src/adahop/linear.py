@@ -127,9 +127,16 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
             plan.layer._observe("x", x_TK)
             plan.layer._observe("w", w_NK)
 
+        fp, wg = plan.fprop, plan.wgrad
+        x_fprop = x_saved = None
+        if (fp.quantized and wg.quantized and plan.needs_backward
+                and getattr(backend, "quantize_and_pack", None) is not None):
+            # x is A of fprop (along K) and B of wgrad (along T, packed, saved): one kernel
+            # quantizes both orientations from the same reads.
+            x_fprop, x_saved = backend.quantize_and_pack(x_TK, fp.a, wg.b)
+
         # GEMM 1: fprop y_TN = x_TK @ w_NK^T, [T,K]@[K,N]->[T,N]; A = x (rows: tokens),
         # B = w^T (columns: output features). Both quantized along K.
-        fp = plan.fprop
         if not fp.quantized:
             y_TN = x_TK @ w_NK.t()
         else:
@@ -137,12 +144,13 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
                 fp, backend, x_TK, 1, w_NK, 1,
                 a_hp=lambda idx: x_TK if idx is None else x_TK[idx],
                 b_hp=lambda: w_NK.t(),
+                a_q=x_fprop,
                 out_dtype=x_TK.dtype,
             )
+            x_fprop = None  # freed
 
         # What wgrad (dw_NK = g^T x) needs of x: x quantized along T, or x itself (nothing when
         # no backward will run: evaluation would otherwise pay a quantization pass per layer).
-        wg = plan.wgrad
         ctx.wgrad_x_q = None
         ctx.wgrad_cols = False
         saved = [weight]
@@ -154,7 +162,7 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
             cols_idx = None
             if wg.mode == "iht+oe_right":  # OE on B = x's columns (input features)
                 cols_idx = backend.select_outer(x_TK, 1, wg.oe_k)
-            x_q = backend.quantize_packed(x_TK, 0, wg.b, zero_outer=cols_idx)
+            x_q = x_saved if x_saved is not None else backend.quantize_packed(x_TK, 0, wg.b, zero_outer=cols_idx)
             ctx.wgrad_x_q = (x_q.shape, x_q.dim, x_q.block_size)
             saved += [x_q.codes, x_q.scale_e8m0]
             if cols_idx is not None:

@@ -1,6 +1,6 @@
-"""Both orientations of one operand from the same reads: the Hopper form of ``x`` [R, C] quantized
-along C (rows = R) and along R (rows = C), as two ``quantize_operand_triton(..., e4m3=True)``
-calls would give them, bit for bit.
+"""Both orientations of one operand from the same reads: ``x`` [R, C] quantized along C (rows = R,
+the Hopper e4m3 form) and along R (rows = C, the e4m3 form or the packed MXFP4 form), as two
+``quantize_operand_triton`` calls would give them, bit for bit.
 
 The gradient g [T, N] of a linear layer is quantized twice in the backward: along N for dgrad and
 along T for wgrad. Each call reads g twice (the e4m3 form needs each row's largest block exponent
@@ -18,6 +18,13 @@ R. Two launches, as the one-orientation form:
 
 g is read twice instead of four times. The blocks, counters (SR) and signs of each orientation are
 those of the one-orientation kernel, so the outputs are identical (tested).
+
+The forward's activation x [T, K] is the other operand quantized twice: along K in the e4m3 form
+(fprop) and along T in the packed form (saved for wgrad). One-orientation calls read it three
+times (two passes for e4m3, one for packed), the packed one through a transposed view (columns of
+x: short contiguous runs). With ``rows_form="packed"`` orientation B needs no row maximum, so
+PHASE 1 emits it (codes and scale bytes) next to A's row maxima and PHASE 2 does A alone: x is
+read twice, both times in tiles.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from adahop.kernels.launch import INTERPRETED, FastLauncher, cdiv, nan_bytes_view
+from adahop.formats.mxfp4 import MXFP4Tensor
+from adahop.kernels.launch import INTERPRETED, FastLauncher, cdiv, dummy_pointer, nan_bytes_view
 from adahop.kernels.mxfp4_math import pow2
 from adahop.kernels.quantize import (
     _blocks,
@@ -41,16 +49,16 @@ from adahop.kernels.quantize import (
 def _quantize_both_kernel(
     x_ptr, stride_r, stride_c, R, C, RP, CP,
     e4a_ptr, e4a_bits_ptr, rsa_ptr, parta_ptr, emaxa_ptr,
-    e4b_ptr, e4b_bits_ptr, rsb_ptr, partb_ptr, emaxb_ptr,
+    e4b_ptr, e4b_bits_ptr, rsb_ptr, partb_ptr, emaxb_ptr, codes_b_ptr, scales_b_ptr,
     sr_key_a, sr_key_b, sign_key_a, sign_key_b, norm_a, norm_b,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     LOG2_HA: tl.constexpr, LOG2_HB: tl.constexpr, HAS_SIGNS_A: tl.constexpr, HAS_SIGNS_B: tl.constexpr,
     SCALE_MODE_A: tl.constexpr, SCALE_MODE_B: tl.constexpr, SR_A: tl.constexpr, SR_B: tl.constexpr,
-    NAN_BY_CAST: tl.constexpr, PHASE: tl.constexpr,
+    NAN_BY_CAST: tl.constexpr, PHASE: tl.constexpr, B_PACKED: tl.constexpr,
 ):
     """Program (i, j) owns rows [i * BLOCK_R, ...) and columns [j * BLOCK_C, ...) of x. Orientation
     A: rows of x, quantized along C (K = CP); orientation B: columns of x, quantized along R
-    (K = RP)."""
+    (K = RP), in the e4m3 form or, with ``B_PACKED``, the packed form (emitted in PHASE 1)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -59,42 +67,61 @@ def _quantize_both_kernel(
     ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     xa = _transform(x, cols, sign_key_a, norm_a, BLOCK_R, BLOCK_C, LOG2_HA, HAS_SIGNS_A, True)
-    xb = _transform(tl.trans(x), rows, sign_key_b, norm_b, BLOCK_C, BLOCK_R, LOG2_HB, HAS_SIGNS_B, True)
     ea, fina = _blocks(xa, BLOCK_R, BLOCK_C, SCALE_MODE_A)
-    eb, finb = _blocks(xb, BLOCK_C, BLOCK_R, SCALE_MODE_B)
     rows_a_ok = rows < R
     rows_b_ok = cols < C
-    if PHASE == 1:
-        ma = tl.max(tl.where(fina, ea, -127), axis=1)
-        mb = tl.max(tl.where(finb, eb, -127), axis=1)
-        _store_row_exponent(parta_ptr + pid_c * R * 16, ma, ea, rows, rows_a_ok, True, BLOCK_R, BLOCK_C)
-        _store_row_exponent(partb_ptr + pid_r * C * 16, mb, eb, cols, rows_b_ok, True, BLOCK_C, BLOCK_R)
+    if B_PACKED:
+        if PHASE == 1:
+            ma = tl.max(tl.where(fina, ea, -127), axis=1)
+            _store_row_exponent(parta_ptr + pid_c * R * 16, ma, ea, rows, rows_a_ok, True, BLOCK_R, BLOCK_C)
+            xb = _transform(tl.trans(x), rows, sign_key_b, norm_b, BLOCK_C, BLOCK_R, LOG2_HB, HAS_SIGNS_B, True)
+            eb, finb = _blocks(xb, BLOCK_C, BLOCK_R, SCALE_MODE_B)
+            _emit_chunk(xb, eb, finb, tl.zeros((BLOCK_C,), tl.int32), cols, rows_b_ok, pid_r * BLOCK_R, RP, sr_key_b,
+                        codes_b_ptr, scales_b_ptr, e4b_ptr, e4b_bits_ptr, BLOCK_C, BLOCK_R, SR_B, True, False, NAN_BY_CAST, True)
+        else:
+            emax_a = tl.load(emaxa_ptr + rows, mask=rows_a_ok, other=0).to(tl.int32) - 127
+            tl.store(rsa_ptr + rows, pow2(emax_a - 6), mask=rows_a_ok & (pid_c == 0))
+            _emit_chunk(xa, ea, fina, emax_a, rows, rows_a_ok, pid_c * BLOCK_C, CP, sr_key_a,
+                        e4a_ptr, e4a_ptr, e4a_ptr, e4a_bits_ptr, BLOCK_R, BLOCK_C, SR_A, False, True, NAN_BY_CAST, True)
     else:
-        emax_a = tl.load(emaxa_ptr + rows, mask=rows_a_ok, other=0).to(tl.int32) - 127
-        emax_b = tl.load(emaxb_ptr + cols, mask=rows_b_ok, other=0).to(tl.int32) - 127
-        tl.store(rsa_ptr + rows, pow2(emax_a - 6), mask=rows_a_ok & (pid_c == 0))
-        tl.store(rsb_ptr + cols, pow2(emax_b - 6), mask=rows_b_ok & (pid_r == 0))
-        _emit_chunk(xa, ea, fina, emax_a, rows, rows_a_ok, pid_c * BLOCK_C, CP, sr_key_a,
-                    e4a_ptr, e4a_ptr, e4a_ptr, e4a_bits_ptr, BLOCK_R, BLOCK_C, SR_A, False, True, NAN_BY_CAST, True)
-        _emit_chunk(xb, eb, finb, emax_b, cols, rows_b_ok, pid_r * BLOCK_R, RP, sr_key_b,
-                    e4b_ptr, e4b_ptr, e4b_ptr, e4b_bits_ptr, BLOCK_C, BLOCK_R, SR_B, False, True, NAN_BY_CAST, True)
+        xb = _transform(tl.trans(x), rows, sign_key_b, norm_b, BLOCK_C, BLOCK_R, LOG2_HB, HAS_SIGNS_B, True)
+        eb, finb = _blocks(xb, BLOCK_C, BLOCK_R, SCALE_MODE_B)
+        if PHASE == 1:
+            ma = tl.max(tl.where(fina, ea, -127), axis=1)
+            mb = tl.max(tl.where(finb, eb, -127), axis=1)
+            _store_row_exponent(parta_ptr + pid_c * R * 16, ma, ea, rows, rows_a_ok, True, BLOCK_R, BLOCK_C)
+            _store_row_exponent(partb_ptr + pid_r * C * 16, mb, eb, cols, rows_b_ok, True, BLOCK_C, BLOCK_R)
+        else:
+            emax_a = tl.load(emaxa_ptr + rows, mask=rows_a_ok, other=0).to(tl.int32) - 127
+            emax_b = tl.load(emaxb_ptr + cols, mask=rows_b_ok, other=0).to(tl.int32) - 127
+            tl.store(rsa_ptr + rows, pow2(emax_a - 6), mask=rows_a_ok & (pid_c == 0))
+            tl.store(rsb_ptr + cols, pow2(emax_b - 6), mask=rows_b_ok & (pid_r == 0))
+            _emit_chunk(xa, ea, fina, emax_a, rows, rows_a_ok, pid_c * BLOCK_C, CP, sr_key_a,
+                        e4a_ptr, e4a_ptr, e4a_ptr, e4a_bits_ptr, BLOCK_R, BLOCK_C, SR_A, False, True, NAN_BY_CAST, True)
+            _emit_chunk(xb, eb, finb, emax_b, cols, rows_b_ok, pid_r * BLOCK_R, RP, sr_key_b,
+                        e4b_ptr, e4b_ptr, e4b_ptr, e4b_bits_ptr, BLOCK_C, BLOCK_R, SR_B, False, True, NAN_BY_CAST, True)
 
 
 _QUANTIZE_BOTH = FastLauncher(_quantize_both_kernel)
 
 
-def quantize_both_e4m3(x: torch.Tensor, along_cols: dict, along_rows: dict, *, block_r: int | None = None, block_c: int | None = None, num_warps: int | None = None):
+def quantize_both(x: torch.Tensor, along_cols: dict, along_rows: dict, *, rows_form: str = "e4m3",
+                  block_r: int | None = None, block_c: int | None = None, num_warps: int | None = None):
     """Quantize 2-D ``x`` [R, C] along C (``along_cols``: the keywords of
     ``quantize_operand_triton`` for ``dim=1``) and along R (``along_rows``: for ``dim=0``).
-    Returns two dicts with ``"e4m3"`` and ``"row_scale"``, equal to
-    ``quantize_operand_triton(x, 1, e4m3=True, packed=False, **along_cols)`` and
-    ``quantize_operand_triton(x, 0, e4m3=True, packed=False, **along_rows)``.
+    Returns two dicts, equal to ``quantize_operand_triton(x, 1, e4m3=True, packed=False,
+    **along_cols)`` (``"e4m3"``, ``"row_scale"``) and, by ``rows_form``, to
+    ``quantize_operand_triton(x, 0, e4m3=True, packed=False, **along_rows)`` (``"e4m3"``) or
+    ``quantize_operand_triton(x, 0, **along_rows)`` (``"packed"``: ``"mx"``, an MXFP4Tensor).
 
     ``block_r`` / ``block_c``: the tile, powers of two, each a multiple of 32 and of the
     Hadamard size of the orientation that transforms along it (default: 64, or that size if
     larger); ``num_warps`` (default: 32 elements per thread, 4 to 8 warps)."""
     if x.dim() != 2:
-        raise ValueError(f"quantize_both_e4m3 takes a 2-D operand, got shape {tuple(x.shape)}")
+        raise ValueError(f"quantize_both takes a 2-D operand, got shape {tuple(x.shape)}")
+    if rows_form not in ("e4m3", "packed"):
+        raise ValueError(f"rows_form must be 'e4m3' or 'packed', got {rows_form!r}")
+    packed = rows_form == "packed"
     R, C = x.shape
     a = operand_args(C, **along_cols)
     b = operand_args(R, **along_rows)
@@ -109,34 +136,45 @@ def quantize_both_e4m3(x: torch.Tensor, along_cols: dict, along_rows: dict, *, b
     if R * CP >= 2**32 or C * RP >= 2**32:
         raise ValueError(f"operand too large for 32-bit SR counters: {R} x {C}")
     dev = x.device
+    dummy = dummy_pointer(dev)
     e4a = torch.empty((R, CP), dtype=torch.float8_e4m3fn, device=dev)
-    e4b = torch.empty((C, RP), dtype=torch.float8_e4m3fn, device=dev)
     rsa = torch.empty((R,), dtype=torch.float32, device=dev)
-    rsb = torch.empty((C,), dtype=torch.float32, device=dev)
-    out_a, out_b = {"e4m3": e4a, "row_scale": rsa}, {"e4m3": e4b, "row_scale": rsb}
+    out_a = {"e4m3": e4a, "row_scale": rsa}
+    if packed:
+        codes_b = torch.empty((C, RP // 2), dtype=torch.uint8, device=dev)
+        scales_b = torch.empty((C, RP // 32), dtype=torch.uint8, device=dev)
+        out_b = {"mx": MXFP4Tensor(codes_b, scales_b, x.shape, 0, 32)}
+        e4b = rsb = dummy
+    else:
+        codes_b = scales_b = dummy
+        e4b = torch.empty((C, RP), dtype=torch.float8_e4m3fn, device=dev)
+        rsb = torch.empty((C,), dtype=torch.float32, device=dev)
+        out_b = {"e4m3": e4b, "row_scale": rsb}
     if R == 0 or C == 0:  # an empty dim: rows with no blocks get the smallest row scale
         rsa.fill_(2.0**-133)
-        rsb.fill_(2.0**-133)
+        if not packed:
+            rsb.fill_(2.0**-133)
         return out_a, out_b
     grid = (cdiv(RP, block_r), cdiv(CP, block_c))  # covers the padding of both
     parta = torch.empty((grid[1], R, 16), dtype=torch.uint8, device=dev)
-    partb = torch.empty((grid[0], C, 16), dtype=torch.uint8, device=dev)
     emaxa = torch.empty((R,), dtype=torch.uint8, device=dev)
-    emaxb = torch.empty((C,), dtype=torch.uint8, device=dev)
+    partb = dummy if packed else torch.empty((grid[0], C, 16), dtype=torch.uint8, device=dev)
+    emaxb = dummy if packed else torch.empty((C,), dtype=torch.uint8, device=dev)
     args = (
         x, x.stride(0), x.stride(1), R, C, RP, CP,
         e4a, nan_bytes_view(e4a), rsa, parta, emaxa,
-        e4b, nan_bytes_view(e4b), rsb, partb, emaxb,
+        e4b, dummy if packed else nan_bytes_view(e4b), rsb, partb, emaxb, codes_b, scales_b,
         a["sr_key"], b["sr_key"], a["sign_key"], b["sign_key"], a["norm"], b["norm"],
     )
     meta = dict(
         BLOCK_R=block_r, BLOCK_C=block_c, LOG2_HA=a["log2_h"], LOG2_HB=b["log2_h"],
         HAS_SIGNS_A=a["has_signs"], HAS_SIGNS_B=b["has_signs"], SCALE_MODE_A=a["scale_mode"],
         SCALE_MODE_B=b["scale_mode"], SR_A=a["sr"], SR_B=b["sr"],
-        NAN_BY_CAST=not INTERPRETED, num_warps=num_warps,
+        NAN_BY_CAST=not INTERPRETED, B_PACKED=packed, num_warps=num_warps,
     )
     _QUANTIZE_BOTH[grid](*args, PHASE=1, **meta)
     torch.amax(parta[:, :, 0], dim=0, out=emaxa)
-    torch.amax(partb[:, :, 0], dim=0, out=emaxb)
+    if not packed:
+        torch.amax(partb[:, :, 0], dim=0, out=emaxb)
     _QUANTIZE_BOTH[grid](*args, PHASE=2, **meta)
     return out_a, out_b

@@ -12,7 +12,12 @@ A backend has three operations, all in the NT form of ``ops.operand``:
   are what ``quantize`` returned, or ``MXFP4Tensor``s;
 * ``select_outer(t, outer_dim, k)``: the sorted indices of the k outer slices of 2-D ``t`` that
   outlier extraction computes in high precision (``ops.outliers``: the same slices on every
-  backend).
+  backend);
+* optionally, two quantizations of one tensor from the same reads, bit for bit those of two
+  calls: ``quantize_both(x, spec_cols, spec_rows)`` (the backward's gradient, both orientations
+  in the GEMM form) and ``quantize_and_pack(x, spec_cols, spec_rows)`` (the forward's
+  activation: along dim 1 in the GEMM form, along dim 0 packed, to save). ``hopper_fp8`` has
+  them; the layer calls two quantizations where a backend does not.
 
 Backends: ``reference`` (pure PyTorch, CPU and any GPU), ``triton`` (the fused Triton quantize
 kernel + the reference GEMM; also under ``TRITON_INTERPRET=1`` on the CPU), ``hopper_fp8``
