@@ -19,9 +19,13 @@ output dtypes we run it with unit scales into float32 and apply the two scales o
 ``tl.dot_scaled`` (``kernels.mx_gemm``): the block-scaled MMA of GPUs with MX tensor cores.
 
 Outlier extraction: the slices are chosen by ``kernels.topk`` from the reference's norms (one
-launch instead of ``torch.topk`` and a sort: the same indices). The caller overwrites the output slices of the extracted rows/columns with
-their high-precision result, and MXFP4 quantizes each outer slice on its own, so zeroing those
-slices first (``zero_outer``) cannot change the result: these backends skip it (one pass less).
+launch instead of ``torch.topk`` and a sort: the same indices). The caller overwrites the output
+slices of the extracted rows/columns with their high-precision result, and MXFP4 quantizes each
+outer slice on its own, so zeroing those slices first (``zero_outer``) cannot change the result:
+these backends skip it (one pass less).
+
+``hopper_fp8`` also quantizes a tensor both ways from one kernel (``kernels.quantize_both``):
+the backward's gradient (``quantize_both``) and the forward's activation (``quantize_and_pack``).
 """
 
 from __future__ import annotations
