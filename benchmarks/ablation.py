@@ -55,6 +55,10 @@ VARIANTS = {
     "lv2_dgrad_bf16": lambda: _lv2_forcing(dgrad="bf16"),
     "lv2_wgrad_bf16": lambda: _lv2_forcing(wgrad="bf16"),
     "lv2_bwd_bf16": lambda: _lv2_forcing(dgrad="bf16", wgrad="bf16"),  # only the forward in MXFP4
+    # The calibration sees the untrained network and gives fprop plain IHT in every layer (125M:
+    # 84 of 84), so OE never reaches the forward GEMM: does forcing it there help?
+    "lv2_fprop_oe_left": lambda: _lv2_forcing(fprop="iht+oe_left"),  # the k largest tokens of x
+    "lv2_fprop_oe_right": lambda: _lv2_forcing(fprop="iht+oe_right"),  # the k largest rows of w
     "lv2_grad_rne": _lv2_grad_rne,  # gradients rounded to nearest instead of stochastically
     "lv2_rceil": lambda: _lv2_settings(scale_mode="rceil"),  # scales that never clip
     "lv2_floor": lambda: _lv2_settings(scale_mode="floor"),  # the OCP MX scale (clips up to 1.75x)
