@@ -59,6 +59,7 @@ VARIANTS = {
     # 84 of 84), so OE never reaches the forward GEMM: does forcing it there help?
     "lv2_fprop_oe_left": lambda: _lv2_forcing(fprop="iht+oe_left"),  # the k largest tokens of x
     "lv2_fprop_oe_right": lambda: _lv2_forcing(fprop="iht+oe_right"),  # the k largest rows of w
+    "lv2_signs_fprop_oe_right": lambda: _lv2_forcing(fprop="iht+oe_right").with_gemm_settings(random_signs=True),
     "lv2_grad_rne": _lv2_grad_rne,  # gradients rounded to nearest instead of stochastically
     "lv2_rceil": lambda: _lv2_settings(scale_mode="rceil"),  # scales that never clip
     "lv2_floor": lambda: _lv2_settings(scale_mode="floor"),  # the OCP MX scale (clips up to 1.75x)
