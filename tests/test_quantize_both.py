@@ -1,6 +1,7 @@
-"""Both orientations of one operand from one kernel (kernels.quantize_both) against two calls of
-the one-orientation kernel (itself tested against the reference), bit for bit; and the layer's
-backward with and without it. On the CPU through TRITON_INTERPRET=1 (conftest.py)."""
+"""Both orientations of one operand from one kernel (kernels.quantize_both: e4m3 + e4m3, or e4m3 +
+packed) against two calls of the one-orientation kernel (itself tested against the reference),
+bit for bit; and the layer with and without the fused kernels. On the CPU through
+TRITON_INTERPRET=1 (conftest.py)."""
 
 import pytest
 import torch
