@@ -1,0 +1,38 @@
+"""Diagnostic: patterns and lv2 modes at calibration (steps 1-30) vs after 300 steps of training
+(a second calibration on the trained weights), tiny model on the CPU, seed 0."""
+import collections, json, sys, torch
+import adahop
+from adahop.cli import open_run
+from adahop.patterns.calibration import LayerCalibration
+from adahop.train.data import load_corpus
+from adahop.train.recipes import preset
+from adahop.train.trainer import train
+torch.set_num_threads(1)
+seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+cfg = preset("cpu", recipe="adahop_lv2", seed=seed, out_dir=f"/tmp/recal{seed}", corpus_dir=".carry/corpus", progress=False)
+corpus = load_corpus(cfg.corpus_dir)
+model, batches = open_run(cfg, corpus)
+train(cfg, model=model, train_batches=batches, resume=False)
+layers = adahop.adahop_layers(model)
+first = {n: (dict(l.patterns), dict(l.modes)) for n, l in layers.items()}
+for l in layers.values():  # calibrate again on the trained network (BF16 meanwhile)
+    l.calibration = LayerCalibration(); l.modes = None
+model.train()
+for _ in range(cfg.calibration_steps):
+    x, y = next(batches)
+    loss = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+second = {n: (dict(l.patterns), dict(l.modes)) for n, l in layers.items()}
+c1, c2 = collections.Counter(), collections.Counter()
+for n in layers:
+    for g in ("fprop", "dgrad", "wgrad"):
+        c1[(g, first[n][1][g])] += 1; c2[(g, second[n][1][g])] += 1
+print("modes at init:", sorted(c1.items()))
+print("modes at step 300:", sorted(c2.items()))
+p1, p2 = collections.Counter(), collections.Counter()
+for n in layers:
+    for r in ("x", "w", "g"):
+        p1[(r, first[n][0][r])] += 1; p2[(r, second[n][0][r])] += 1
+print("patterns at init:", sorted(p1.items()))
+print("patterns at step 300:", sorted(p2.items()))
