@@ -1,5 +1,8 @@
 """Diagnostic: patterns and lv2 modes at calibration (steps 1-30) vs after 300 steps of training
-(a second calibration on the trained weights), tiny model on the CPU, seed 0."""
+(a second calibration on the trained weights), tiny model on the CPU.
+
+    python recalibration_probe.py SEED CORPUS_DIR    (corpus: adahop data --sources shakespeare
+                                                      gcide python-doc wordnet brown)"""
 import collections, json, sys, torch
 import adahop
 from adahop.cli import open_run
@@ -9,7 +12,8 @@ from adahop.train.recipes import preset
 from adahop.train.trainer import train
 torch.set_num_threads(1)
 seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
-cfg = preset("cpu", recipe="adahop_lv2", seed=seed, out_dir=f"/tmp/recal{seed}", corpus_dir=".carry/corpus", progress=False)
+corpus_dir = sys.argv[2] if len(sys.argv) > 2 else "runs/corpus"
+cfg = preset("cpu", recipe="adahop_lv2", seed=seed, out_dir=f"/tmp/recal{seed}", corpus_dir=corpus_dir, progress=False)
 corpus = load_corpus(cfg.corpus_dir)
 model, batches = open_run(cfg, corpus)
 train(cfg, model=model, train_batches=batches, resume=False)
