@@ -117,8 +117,7 @@ class HopperFP8Backend:
         out = quantize_operand_triton(x, dim, packed=False, e4m3=True, **_kernel_args(spec))
         return E4M3Operand(out["e4m3"], out["row_scale"])
 
-    def quantize_packed(self, x, dim, spec: OperandSpec, zero_outer=None) -> MXFP4Tensor:
-        return TritonBackend().quantize_packed(x, dim, spec, zero_outer)
+    quantize_packed = TritonBackend.quantize_packed
 
     def quantize_both(self, x, spec_cols: OperandSpec, spec_rows: OperandSpec) -> tuple[E4M3Operand, E4M3Operand]:
         """``quantize(x, 1, spec_cols)`` and ``quantize(x, 0, spec_rows)`` from the same reads of
