@@ -119,25 +119,26 @@ class HopperFP8Backend:
 
     quantize_packed = TritonBackend.quantize_packed
 
-    def quantize_both(self, x, spec_cols: OperandSpec, spec_rows: OperandSpec) -> tuple[E4M3Operand, E4M3Operand]:
-        """``quantize(x, 1, spec_cols)`` and ``quantize(x, 0, spec_rows)`` from the same reads of
-        ``x`` (``kernels.quantize_both``): the backward's two quantizations of the gradient."""
+    @staticmethod
+    def _two_ways(x, spec_cols: OperandSpec, spec_rows: OperandSpec, rows_form: str):
         from adahop.kernels.quantize_both import quantize_both
 
         _check(x, spec_cols)
         _check(x, spec_rows)
-        a, b = quantize_both(x, _kernel_args(spec_cols), _kernel_args(spec_rows))
-        return E4M3Operand(a["e4m3"], a["row_scale"]), E4M3Operand(b["e4m3"], b["row_scale"])
+        a, b = quantize_both(x, _kernel_args(spec_cols), _kernel_args(spec_rows), rows_form=rows_form)
+        return E4M3Operand(a["e4m3"], a["row_scale"]), b
+
+    def quantize_both(self, x, spec_cols: OperandSpec, spec_rows: OperandSpec) -> tuple[E4M3Operand, E4M3Operand]:
+        """``quantize(x, 1, spec_cols)`` and ``quantize(x, 0, spec_rows)`` from the same reads of
+        ``x`` (``kernels.quantize_both``): the backward's two quantizations of the gradient."""
+        a, b = self._two_ways(x, spec_cols, spec_rows, "e4m3")
+        return a, E4M3Operand(b["e4m3"], b["row_scale"])
 
     def quantize_and_pack(self, x, spec_cols: OperandSpec, spec_rows: OperandSpec) -> tuple[E4M3Operand, MXFP4Tensor]:
         """``quantize(x, 1, spec_cols)`` and ``quantize_packed(x, 0, spec_rows)`` from the same
         reads of ``x``: the forward's activation, for fprop and packed for the backward."""
-        from adahop.kernels.quantize_both import quantize_both
-
-        _check(x, spec_cols)
-        _check(x, spec_rows)
-        a, b = quantize_both(x, _kernel_args(spec_cols), _kernel_args(spec_rows), rows_form="packed")
-        return E4M3Operand(a["e4m3"], a["row_scale"]), b["mx"]
+        a, b = self._two_ways(x, spec_cols, spec_rows, "packed")
+        return a, b["mx"]
 
     @staticmethod
     def as_e4m3(op) -> E4M3Operand:

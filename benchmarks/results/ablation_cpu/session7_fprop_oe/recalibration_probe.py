@@ -28,15 +28,14 @@ for _ in range(cfg.calibration_steps):
     loss.backward()
     model.zero_grad(set_to_none=True)
 second = {n: (dict(l.patterns), dict(l.modes)) for n, l in layers.items()}
-c1, c2 = collections.Counter(), collections.Counter()
-for n in layers:
-    for g in ("fprop", "dgrad", "wgrad"):
-        c1[(g, first[n][1][g])] += 1; c2[(g, second[n][1][g])] += 1
-print("modes at init:", sorted(c1.items()))
-print("modes at step 300:", sorted(c2.items()))
-p1, p2 = collections.Counter(), collections.Counter()
-for n in layers:
-    for r in ("x", "w", "g"):
-        p1[(r, first[n][0][r])] += 1; p2[(r, second[n][0][r])] += 1
-print("patterns at init:", sorted(p1.items()))
-print("patterns at step 300:", sorted(p2.items()))
+
+
+def count(state: dict, index: int, keys) -> list:
+    """How many layers have each (key, value) in ``state[layer][index]`` (0: patterns, 1: modes)."""
+    return sorted(collections.Counter((k, state[n][index][k]) for n in layers for k in keys).items())
+
+
+print("modes at init:", count(first, 1, ("fprop", "dgrad", "wgrad")))
+print("modes at step 300:", count(second, 1, ("fprop", "dgrad", "wgrad")))
+print("patterns at init:", count(first, 0, ("x", "w", "g")))
+print("patterns at step 300:", count(second, 0, ("x", "w", "g")))
