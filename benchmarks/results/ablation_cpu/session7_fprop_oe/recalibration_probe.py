@@ -3,7 +3,11 @@
 
     python recalibration_probe.py SEED CORPUS_DIR    (corpus: adahop data --sources shakespeare
                                                       gcide python-doc wordnet brown)"""
-import collections, json, sys, torch
+import collections
+import sys
+
+import torch
+
 import adahop
 from adahop.cli import open_run
 from adahop.patterns.calibration import LayerCalibration
