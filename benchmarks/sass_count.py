@@ -24,6 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from adahop.kernels.quantize import _mxfp4_quantize_kernel
+from adahop.kernels.quantize_both import _quantize_both_kernel
 
 POINTERS = ["x_ptr", "codes_ptr", "scales_ptr", "e4m3_ptr", "e4m3_bits_ptr", "rowscale_ptr", "sumsq_ptr", "epart_ptr"]
 POINTER_TYPES = ["*bf16", "*u8", "*u8", "*fp8e4nv", "*u8", "*fp32", "*fp32", "*u8"]
@@ -45,19 +46,43 @@ VARIANTS = [
 ]
 
 
-def sass_of(meta: dict, num_warps: int) -> list[str]:
-    types = dict(zip(POINTERS, POINTER_TYPES))
-    types.update({name: "i32" for name in INTS})
-    types.update(norm="fp32", stride_k="constexpr")
+# quantize_both: its pointers (bf16 input, e4m3 / u8 / fp32 outputs) and ints.
+BOTH_POINTERS = {
+    "x_ptr": "*bf16", "e4a_ptr": "*fp8e4nv", "e4a_bits_ptr": "*u8", "rsa_ptr": "*fp32", "parta_ptr": "*u8",
+    "emaxa_ptr": "*u8", "e4b_ptr": "*fp8e4nv", "e4b_bits_ptr": "*u8", "rsb_ptr": "*fp32", "partb_ptr": "*u8",
+    "emaxb_ptr": "*u8", "codes_b_ptr": "*u8", "scales_b_ptr": "*u8",
+}
+BOTH_INTS = ["stride_r", "R", "C", "RP", "CP", "sr_key_a", "sr_key_b", "sign_key_a", "sign_key_b"]
+# (name, PHASE, B_PACKED, SR_B): the launches of the layer's forward (x: e4m3 along C, packed
+# along R) and backward (g: e4m3 both ways, SR along R as the default gradient rounding).
+BOTH_VARIANTS = [
+    ("x: phase 1 (+packed)", 1, True, False),
+    ("x: phase 2", 2, True, False),
+    ("g: phase 1", 1, False, True),
+    ("g: phase 2", 2, False, True),
+]
+
+
+def sass_of(meta: dict, num_warps: int, kernel=_mxfp4_quantize_kernel) -> list[str]:
+    if kernel is _mxfp4_quantize_kernel:
+        types = dict(zip(POINTERS, POINTER_TYPES))
+        types.update({name: "i32" for name in INTS})
+        types.update(norm="fp32", stride_k="constexpr")
+        consts = dict(meta, stride_k=1)
+        # Pointers and sizes divisible by 16, as at the real shapes (Triton specializes on it).
+        aligned = POINTERS + ["stride_r", "R", "K", "KP", "SPLIT_K"]
+    else:
+        types = dict(BOTH_POINTERS)
+        types.update({name: "i32" for name in BOTH_INTS})
+        types.update(norm_a="fp32", norm_b="fp32", stride_c="constexpr")
+        consts = dict(meta, stride_c=1)
+        aligned = list(BOTH_POINTERS) + ["stride_r", "R", "C", "RP", "CP"]
     types.update({name: "constexpr" for name in meta})
     # In the kernel's argument order: attributes are given by argument position.
-    names = list(_mxfp4_quantize_kernel.arg_names)
+    names = list(kernel.arg_names)
     sig = {name: types[name] for name in names}
-    consts = dict(meta, stride_k=1)
-    # Pointers and sizes divisible by 16, as at the real shapes (Triton specializes on it).
-    aligned = POINTERS + ["stride_r", "R", "K", "KP", "SPLIT_K"]
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in aligned}
-    src = ASTSource(fn=_mxfp4_quantize_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -77,6 +102,8 @@ def main() -> None:
     p.add_argument("--block-k", type=int, default=256)
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--log2-h", type=int, default=5, help="Hadamard size 2**N (0: none)")
+    p.add_argument("--both-tile", type=int, default=64, help="quantize_both's square tile")
+    p.add_argument("--both-warps", type=int, default=4)
     a = p.parse_args()
     print(f"chunk {a.block_r} x {a.block_k}, {a.warps} warps, Hadamard {1 << a.log2_h if a.log2_h else 'none'}")
     print(f"{'variant':<22}{'instructions':>13}" + "".join(f"{c:>16}" for c in CLASSES))
@@ -86,9 +113,20 @@ def main() -> None:
             SR=sr, SINGLE_CHUNK=False, WRITE_PACKED=packed, WRITE_E4M3=e4m3, WRITE_SUMSQ=False,
             NAN_BY_CAST=True, FWHT_INPLACE=True, ARITH_E2M1=True, PHASE=phase,
         )
-        ops = Counter(opcode(i) for i in sass_of(meta, a.warps))
-        counts = [sum(ops[o] for o in group) for group in CLASSES.values()]
-        print(f"{name:<22}{sum(ops.values()):>13}" + "".join(f"{c:>16}" for c in counts))
+        report(name, sass_of(meta, a.warps))
+    print(f"quantize_both, tile {a.both_tile} x {a.both_tile}, {a.both_warps} warps, Hadamard 32 both ways")
+    for name, phase, packed, sr_b in BOTH_VARIANTS:
+        meta = dict(
+            BLOCK_R=a.both_tile, BLOCK_C=a.both_tile, LOG2_HA=5, LOG2_HB=5, HAS_SIGNS_A=False, HAS_SIGNS_B=False,
+            SCALE_MODE_A=1, SCALE_MODE_B=1, SR_A=False, SR_B=sr_b, NAN_BY_CAST=True, PHASE=phase, B_PACKED=packed,
+        )
+        report(name, sass_of(meta, a.both_warps, _quantize_both_kernel))
+
+
+def report(name: str, sass: list[str]) -> None:
+    ops = Counter(opcode(i) for i in sass)
+    counts = [sum(ops[o] for o in group) for group in CLASSES.values()]
+    print(f"{name:<22}{sum(ops.values()):>13}" + "".join(f"{c:>16}" for c in counts))
 
 
 if __name__ == "__main__":

@@ -104,6 +104,23 @@ def _blocks(x, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_MODE: tl.cons
 
 
 @triton.jit
+def _store_per_block(ptrs, values, mask, BLOCK_R: tl.constexpr, NB: tl.constexpr):
+    """Store one value per 32-block (``[BLOCK_R, NB]`` pointers, values, mask), each by the
+    thread that holds the block's element 0 in the ``[BLOCK_R, NB, 32]`` block tile.
+
+    Stored as a ``[BLOCK_R, NB]`` tensor, the values would pull the whole chunk (the butterfly
+    included) into the reduction's layout, as the row maximum did (``_store_row_exponent``):
+    226 warp shuffles per 16 x 256 chunk. Broadcast back over the block (each thread already
+    holds its block's reduced value) and stored under ``j == 0``, they keep the tile's layout:
+    the packed quantize went 1,848 -> 1,336 SASS instructions (``benchmarks/sass_count.py``;
+    ``j == 0`` is false at compile time for all but one register of a thread, so one predicated
+    store remains per block)."""
+    j = tl.arange(0, 32)[None, None, :]
+    v = tl.broadcast_to(values[:, :, None], (BLOCK_R, NB, 32))
+    tl.store(ptrs[:, :, None] + 0 * j, v, mask=mask[:, :, None] & (j == 0))
+
+
+@triton.jit
 def _emit_chunk(
     x, e, finite, e_rowmax, rows, row_ok, k0, KP, sr_key,
     codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr,
@@ -120,7 +137,7 @@ def _emit_chunk(
         bidx = k0 // 32 + tl.arange(0, NB)
         smask = row_ok[:, None] & (bidx[None, :] < KP // 32)
         sbyte = tl.where(finite, e + 127, 255).to(tl.uint8)
-        tl.store(scales_ptr + rows[:, None].to(tl.int64) * (KP // 32) + bidx[None, :], sbyte, mask=smask)
+        _store_per_block(scales_ptr + rows[:, None].to(tl.int64) * (KP // 32) + bidx[None, :], sbyte, smask, BLOCK_R, NB)
 
     # Scale by 2**-e (a normal float32 for e in [-127, 126]), clamp |v| to 6, round. Non-finite
     # blocks: zero codes in the packed form; the e4m3 form overwrites them with NaN below.
