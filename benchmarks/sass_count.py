@@ -1,6 +1,7 @@
 """Offline SASS instruction counts of the fused quantize kernel for sm_90 (Hopper), no GPU needed.
 
-Compiles ``kernels.quantize._mxfp4_quantize_kernel`` for a CUDA target with ``triton.compile``
+Compiles ``kernels.quantize._mxfp4_quantize_kernel`` (per 16 x 256 chunk) and
+``kernels.quantize_both._quantize_both_kernel`` (per 64 x 64 tile) for a CUDA target with ``triton.compile``
 and disassembles it with the ``cuobjdump`` that ships with Triton, then prints the instruction
 count per variant and the classes that decide its speed: conversions (F2I, I2F, FRND, F2FP: a
 quarter of the FP32 rate on sm_90), integer multiplies, warp shuffles and shared-memory traffic.
@@ -53,8 +54,8 @@ BOTH_POINTERS = {
     "emaxb_ptr": "*u8", "codes_b_ptr": "*u8", "scales_b_ptr": "*u8",
 }
 BOTH_INTS = ["stride_r", "R", "C", "RP", "CP", "sr_key_a", "sr_key_b", "sign_key_a", "sign_key_b"]
-# (name, PHASE, B_PACKED, SR_B): the launches of the layer's forward (x: e4m3 along C, packed
-# along R) and backward (g: e4m3 both ways, SR along R as the default gradient rounding).
+# (name, PHASE, B_PACKED, SR): the launches of the layer's forward (x: e4m3 along C, packed
+# along R, RNE) and backward (g: e4m3 both ways, SR: the default rounding of gradients).
 BOTH_VARIANTS = [
     ("x: phase 1 (+packed)", 1, True, False),
     ("x: phase 2", 2, True, False),
@@ -115,10 +116,10 @@ def main() -> None:
         )
         report(name, sass_of(meta, a.warps))
     print(f"quantize_both, tile {a.both_tile} x {a.both_tile}, {a.both_warps} warps, Hadamard 32 both ways")
-    for name, phase, packed, sr_b in BOTH_VARIANTS:
+    for name, phase, packed, sr in BOTH_VARIANTS:
         meta = dict(
             BLOCK_R=a.both_tile, BLOCK_C=a.both_tile, LOG2_HA=5, LOG2_HB=5, HAS_SIGNS_A=False, HAS_SIGNS_B=False,
-            SCALE_MODE_A=1, SCALE_MODE_B=1, SR_A=False, SR_B=sr_b, NAN_BY_CAST=True, PHASE=phase, B_PACKED=packed,
+            SCALE_MODE_A=1, SCALE_MODE_B=1, SR_A=sr, SR_B=sr, NAN_BY_CAST=True, PHASE=phase, B_PACKED=packed,
         )
         report(name, sass_of(meta, a.both_warps, _quantize_both_kernel))
 
