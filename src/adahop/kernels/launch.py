@@ -67,7 +67,6 @@ def nan_bytes_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if INTERPRETED else t
 
 
-
 def dummy_pointer(device: torch.device) -> torch.Tensor:
     """A one-byte tensor for pointer arguments a launch does not use (one per device)."""
     t = _DUMMY.get(device)
