@@ -370,7 +370,9 @@ def test_converted_tiny_transformer_trains_under_every_recipe(recipe, tokens):
             assert layer.calibration.steps == 3
             assert layer.modes == adahop.modes_from_patterns(layer.patterns, level)
     for layer in layers.values():
-        assert layer.calls == 25
+        # the counter that seeds stochastic rounding; the bf16 recipe's layers are F.linear
+        # (no draws, nothing counted, so that torch.compile traces them)
+        assert layer.calls == (0 if recipe == "bf16" else 25)
 
 
 def test_demo_main_runs_end_to_end(capsys):

@@ -63,7 +63,7 @@ def run_train(args) -> dict:
                  grad_accum=args.grad_accum, lr=args.lr, seed=args.seed, out_dir=args.out,
                  corpus_dir=args.corpus, model_size=args.model_size, device=args.device,
                  seq_len=args.seq_len, oe_k=args.oe_k, calibration_steps=args.calibration_steps,
-                 progress=not args.no_progress)
+                 progress=not args.no_progress, compile=args.compile or None)
     cfg.validate()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -190,6 +190,9 @@ def _add_train_args(p):
     g = p.add_argument_group("behaviour")
     g.add_argument("--no-resume", action="store_true", help="start over even if the run folder has a checkpoint")
     g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block (the AdaHOP layers' quantized GEMMs run "
+                        "eagerly between the compiled parts); faster on a GPU, a minute of compiling first")
     g.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch (0: torch's default). 1 is the fastest for the small "
                         "models a CPU trains: the reference MXFP4 path is many small ops, and on 2 "

@@ -237,8 +237,10 @@ class AdaHOPLinear(nn.Linear):
 
     Build it with ``from_float`` (or ``convert_to_adahop_training``) so that it shares the
     original module's parameters. State beyond the parameters (calibration votes, patterns,
-    modes, the counter of training calls that seeds stochastic rounding) is the module's extra state: it is
-    in ``state_dict()`` and restored by ``load_state_dict``."""
+    modes, the counter of training calls that seeds stochastic rounding) is the module's extra
+    state: it is in ``state_dict()`` and restored by ``load_state_dict``. A layer that is high
+    precision for good (``runs_plain_linear``: the bf16 recipe) is ``F.linear`` and counts no
+    calls."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *, config: AdaHOPConfig | None = None, name: str = ""):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
@@ -368,11 +370,29 @@ class AdaHOPLinear(nn.Linear):
                     stacklevel=4,
                 )
 
+    @property
+    def runs_plain_linear(self) -> bool:
+        """True for a layer whose GEMMs are all high precision for good (the bf16 recipe): it is
+        ``nn.Linear``'s own ``F.linear``, the same GEMMs as the layer's bf16 mode (under
+        autocast: bf16 operands, fp32 accumulation, the weight's gradient cast to fp32), and
+        ``torch.compile`` can trace it."""
+        return not self.config.adaptive and all(m == "bf16" for m in self.modes.values())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise ValueError(f"input must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"input's last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}")
+        if self.runs_plain_linear:
+            return nn.functional.linear(x, self.weight, self.bias)
+        return self._forward_adahop(x)
+
+    # torch.compile does not trace the quantized path: it calls Triton kernels through their own
+    # launcher, draws stochastic-rounding seeds from a host counter and calibrates on the host.
+    # A compiled model (``train.compile.compile_blocks``) runs it eagerly between its compiled
+    # parts (a graph break at each such layer).
+    @torch.compiler.disable
+    def _forward_adahop(self, x: torch.Tensor) -> torch.Tensor:
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
