@@ -83,7 +83,7 @@ def run_one(args, name: str, seed: int) -> None:
     out = Path(args.out) / f"{name}-s{seed}"
     recipe = "bf16" if name == "bf16" else ("mxfp4" if name == "mxfp4" else "adahop_lv2")
     cfg = preset(args.preset, recipe=recipe, seed=seed, out_dir=str(out), corpus_dir=args.corpus,
-                 steps=args.steps, lr=args.lr, progress=False)
+                 steps=args.steps, lr=args.lr, progress=False, compile=getattr(args, "compile", False))
     corpus = load_corpus(cfg.corpus_dir)
     model, batches = open_run(cfg, corpus)
     qcfg = VARIANTS[name]().replace(calibration_steps=cfg.calibration_steps, backend=cfg.backend, seed=seed)
@@ -102,7 +102,8 @@ def run_one(args, name: str, seed: int) -> None:
     summary = train(cfg, model=model, train_batches=batches, eval_fn=eval_fn,
                     on_step=to_bf16_at_switch if switch_at is not None else None)
     result = {"variant": name, "seed": seed, "steps": summary["steps"], "heldout_loss": summary["final_eval"]["loss"],
-              "last_train_losses": summary["losses"][-50:], "tokens_per_s": summary["tokens_per_s"]}
+              "last_train_losses": summary["losses"][-50:], "tokens_per_s": summary["tokens_per_s"],
+              "peak_memory_bytes": summary["peak_memory_bytes"], "compile": cfg.compile}
     # The same weights evaluated with every GEMM in BF16: how much of the gap is the MXFP4
     # forward at evaluation time, and how much is in the trained weights.
     for layer in adahop.adahop_layers(model).values():
@@ -161,6 +162,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (train/compile.py)")
     p.add_argument("--report", action="store_true", help="only write the table of the finished runs")
     args = p.parse_args(argv)
     out = Path(args.out)

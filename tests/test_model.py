@@ -16,6 +16,7 @@ from adahop.train.model import (
     LlamaConfig,
     RMSNorm,
     apply_rope,
+    compute_copies,
     num_params,
     repeat_kv,
     rope_tables,
@@ -67,6 +68,38 @@ def test_autocast_bf16_on_cpu():
     assert 0 < err < 0.05 * ref.abs().max().item()
     y.float().sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def test_compute_copies_cast_once_per_reader_and_sum_gradients_in_float32():
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    assert compute_copies(x, 3) == (x, x, x)  # no autocast: x itself
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        copies = compute_copies(x, 3)
+    assert len({id(c) for c in copies}) == 3
+    assert all(c.dtype == torch.bfloat16 and torch.equal(c, x.detach().bfloat16()) for c in copies)
+    # three bf16 gradients whose bf16 sum would round: each cast's backward upcasts its own, and
+    # the float32 sum is exact here
+    grads = [torch.full((4, 8), v, dtype=torch.bfloat16) for v in (1.0, 2.0**-9, 2.0**-9)]
+    torch.autograd.backward(copies, grads)
+    assert torch.equal(x.grad, torch.full((4, 8), 1.0 + 2.0**-8))
+
+
+def test_autocast_model_equals_linears_that_cast_their_own_input():
+    """compute_copies changes no value: the block under autocast equals the same block whose
+    linear layers each receive the float32 input and cast it themselves (autocast's F.linear)."""
+    m = tiny()
+    x = tokens(2, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)
+        import adahop.train.model as model_mod
+
+        orig = model_mod.compute_copies
+        model_mod.compute_copies = lambda t, n: (t,) * n
+        try:
+            y_ref = m(x)
+        finally:
+            model_mod.compute_copies = orig
+    assert torch.equal(y, y_ref)
 
 
 def test_rmsnorm_float32_math_and_dtype():

@@ -173,6 +173,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.to(x.dtype)
 
 
+def compute_copies(x: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """``n`` copies of x in the compute dtype (autocast's where it is on, else x's), one per linear
+    layer that reads x.
+
+    Each linear would cast its input itself (autocast does, and so does ``AdaHOPLinear``). Doing it
+    here, once per reader and before any of them runs, gives the same values and, in eager mode,
+    the same kernels; the gradients still meet in float32 (each cast's backward upcasts its own).
+    It matters in a compiled block whose linear layers are graph breaks (the MXFP4 recipes,
+    ``train/compile.py``): the casts then come out of the compiled norm's kernel, and the
+    gradients are summed inside the compiled backward instead of by eager float32 adds."""
+    device_type = x.device.type
+    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+        return (x,) * n  # (the meta device has no autocast)
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(x.to(dtype) for _ in range(n))
+
+
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """[B, G, T, d] -> [B, G * n_rep, T, d]: kv head g serves query heads g*n_rep ... g*n_rep+n_rep-1."""
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
@@ -191,9 +208,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, d]
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, T, d]
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, T, d]
+        xq, xk, xv = compute_copies(x, 3)
+        q = self.wq(xq).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, d]
+        k = self.wk(xk).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, T, d]
+        v = self.wv(xv).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, T, d]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         n_rep = self.n_heads // self.n_kv_heads
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # [B, H, T, d]
@@ -211,7 +229,11 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+        x1, x3 = compute_copies(x, 2)
+        # Both projections first, then the product: in a compiled block with graph breaks at the
+        # linear layers, silu and the product are then one fused kernel (forward and backward).
+        h1, h3 = self.w1(x1), self.w3(x3)
+        return self.w2(nn.functional.silu(h1) * h3)
 
 
 class TransformerBlock(nn.Module):
