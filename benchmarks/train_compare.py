@@ -52,6 +52,7 @@ def main(argv=None) -> int:
     p.add_argument("--tasks-dir", default=None)
     p.add_argument("--limit", type=int, default=None, help="first N items of each task")
     p.add_argument("--eval-batch-size", type=int, default=128)
+    p.add_argument("--compile", action="store_true", help="adahop train --compile: torch.compile each block")
     p.add_argument("--gpus", type=int, default=1, help="run the recipes in this many processes, one GPU each")
     p.add_argument("--per-gpu", type=int, default=1, help="processes sharing each GPU (shared tokens/s)")
     p.add_argument("--no-report", action="store_true", help="(worker processes) train and evaluate only")
@@ -78,6 +79,8 @@ def main(argv=None) -> int:
             train_argv += ["--steps", str(args.steps)]
         if args.seed is not None:
             train_argv += ["--seed", str(args.seed)]
+        if args.compile:
+            train_argv += ["--compile"]
         if cli.main(train_argv) != 0:
             return 2
         eval_argv = ["eval", "--run", str(run), "--tasks", *args.tasks]
@@ -103,6 +106,8 @@ def run_parallel(args) -> int:
     for flag, value in (("--steps", args.steps), ("--seed", args.seed), ("--tasks-dir", args.tasks_dir), ("--limit", args.limit)):
         if value is not None:
             base += [flag, str(value)]
+    if args.compile:
+        base += ["--compile"]
     procs = []
     workers = args.gpus * args.per_gpu
     for i in range(workers):

@@ -87,3 +87,14 @@ def test_oe_k_and_calibration_overrides(corpus, tmp_path):
     records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     assert [r["calibrated"] for r in records if "loss" in r] == [False, True, True]
     assert cli.main(train_args(corpus, tmp_path / "bad", steps=1) + ["--oe-k", "0"]) == 2
+
+
+def test_compile_flag_reaches_the_run(corpus, tmp_path):
+    """--compile trains with compiled blocks (recorded in the run's config); without it, eager."""
+    run = tmp_path / "c"
+    assert cli.main(train_args(corpus, run, recipe="bf16", steps=2) + ["--compile"]) == 0
+    assert json.loads((run / "config.json").read_text())["compile"] is True
+    assert len(losses(run)) == 2
+    plain = tmp_path / "e"
+    assert cli.main(train_args(corpus, plain, recipe="bf16", steps=2)) == 0
+    assert json.loads((plain / "config.json").read_text())["compile"] is False
