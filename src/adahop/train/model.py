@@ -174,8 +174,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def compute_copies(x: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
-    """``n`` copies of x in the compute dtype (autocast's where it is on, else x's), one per linear
-    layer that reads x.
+    """``n`` copies of x in autocast's compute dtype, one per linear layer that reads x; without
+    autocast, x itself n times.
 
     Each linear would cast its input itself (autocast does, and so does ``AdaHOPLinear``). Doing it
     here, once per reader and before any of them runs, gives the same values and, in eager mode,
