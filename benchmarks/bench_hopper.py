@@ -302,7 +302,7 @@ def section_both_x(res):
     from adahop.kernels.quantize_both import quantize_both
 
     rows = []
-    for K in (4096, 2048, 768):
+    for K in (768, 2048, 4096, 8192, 14336):
         x = activation((T, K))
         cols, rws = dict(hadamard_size=32), dict(hadamard_size=32)
 

@@ -11,6 +11,7 @@ triton = pytest.importorskip("triton")
 from adahop.kernels.quantize import quantize_operand_triton  # noqa: E402
 from adahop.kernels.quantize_both import quantize_both  # noqa: E402
 from adahop.ops.kernel_backends import HopperFP8Backend  # noqa: E402
+from adahop.ops.operand import OperandSpec  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -156,9 +157,32 @@ def test_layer_same_with_and_without_fusion(monkeypatch, layer_on_backend, recip
             return _real(self, *args)
 
         monkeypatch.setattr(_EmulatedHopper, name, counting)
+    monkeypatch.setattr(_EmulatedHopper, "FUSED_X_MIN_K", 0)  # the fused x kernel at this small K too
     outs = [layer_on_backend(backend, recipe, x, w, g, modes)
             for backend in (_EmulatedHopper(), _EmulatedHopperSeparate())]
     assert sorted(calls) == ["quantize_and_pack", "quantize_both"]
     for ref, got in zip(outs[1], outs[0]):
         assert torch.equal(ref, got)
     assert torch.isfinite(outs[0][2]).all()
+
+
+def test_quantize_and_pack_takes_two_calls_below_the_fused_size(monkeypatch):
+    """Below ``FUSED_X_MIN_K`` columns x is quantized by two one-orientation calls (faster
+    there, measured), above by the fused kernel: the same bits."""
+    import adahop.kernels.quantize_both as qb
+
+    x = make((64, 96), seed=4)
+    spec = OperandSpec(hadamard_size=32)
+    launched = []
+    real = qb.quantize_both
+    monkeypatch.setattr(qb, "quantize_both", lambda *a, **k: launched.append(1) or real(*a, **k))
+    backend = HopperFP8Backend()
+    assert x.shape[1] < backend.FUSED_X_MIN_K
+    a2, b2 = backend.quantize_and_pack(x, spec, spec)
+    assert not launched
+    monkeypatch.setattr(HopperFP8Backend, "FUSED_X_MIN_K", 32)
+    a1, b1 = backend.quantize_and_pack(x, spec, spec)
+    assert launched == [1]
+    assert torch.equal(a1.e4m3.view(torch.uint8), a2.e4m3.view(torch.uint8))
+    assert torch.equal(a1.row_scale, a2.row_scale)
+    assert torch.equal(b1.codes, b2.codes) and torch.equal(b1.scale_e8m0, b2.scale_e8m0)

@@ -134,9 +134,21 @@ class HopperFP8Backend:
         a, b = self._two_ways(x, spec_cols, spec_rows, "e4m3")
         return a, E4M3Operand(b["e4m3"], b["row_scale"])
 
+    # x [T, K] both ways from one kernel only from this K up. Measured on the H200 at T = 16384
+    # (benchmarks/results/hopper_h200_2026-12-01_s9, bench_hopper --sections bothx), fused
+    # against two calls: K = 768: 0.156 / 0.130 ms, 2048: 0.160 / 0.151, 4096: 0.259 / 0.273,
+    # 8192: 0.505 / 0.526, 14336: 0.871 / 0.912. Below 4096 a row fits one chunk of the e4m3
+    # kernel (one read, one launch), so the two calls read x twice in two launches, as the
+    # fused kernel does, and without its row-maximum reduction between them.
+    FUSED_X_MIN_K = 4096
+
     def quantize_and_pack(self, x, spec_cols: OperandSpec, spec_rows: OperandSpec) -> tuple[E4M3Operand, MXFP4Tensor]:
-        """``quantize(x, 1, spec_cols)`` and ``quantize_packed(x, 0, spec_rows)`` from the same
-        reads of ``x``: the forward's activation, for fprop and packed for the backward."""
+        """``quantize(x, 1, spec_cols)`` and ``quantize_packed(x, 0, spec_rows)``: the forward's
+        activation, for fprop and packed for the backward. From the same reads of ``x`` (one
+        kernel) when ``x`` has ``FUSED_X_MIN_K`` columns or more, else two calls (faster there);
+        the same bits either way."""
+        if x.dim() == 2 and x.shape[1] < self.FUSED_X_MIN_K:
+            return self.quantize(x, 1, spec_cols), self.quantize_packed(x, 0, spec_rows)
         a, b = self._two_ways(x, spec_cols, spec_rows, "packed")
         return a, b["mx"]
 
