@@ -131,8 +131,8 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
         x_fprop = x_saved = None
         if (fp.quantized and wg.quantized and plan.needs_backward
                 and getattr(backend, "quantize_and_pack", None) is not None):
-            # x is A of fprop (along K) and B of wgrad (along T, packed, saved): one kernel
-            # quantizes both orientations from the same reads.
+            # x is A of fprop (along K) and B of wgrad (along T, packed, saved): one call
+            # quantizes both orientations (one kernel from the same reads where that is faster).
             x_fprop, x_saved = backend.quantize_and_pack(x_TK, fp.a, wg.b)
 
         # GEMM 1: fprop y_TN = x_TK @ w_NK^T, [T,K]@[K,N]->[T,N]; A = x (rows: tokens),
