@@ -95,20 +95,32 @@ def e2m1_codes_rne(a):
 
 
 @triton.jit
+def _grid_exponent_bits(abits):
+    """float32 bits of 2**max(E, 0), E the exponent of a >= 0 (bits ``abits``): 1 below 2, then
+    2 and 4. The E2M1 grid spacing at a is half that (0.5 below 2, 1 below 4, 2 up to 6). One
+    AND and one max on the bits, no comparison: selects on ``a < 2`` and ``a < 4`` cost 32
+    predicates per thread that Hopper (7 predicate registers) kept in integer registers and
+    unpacked one by one (``benchmarks/sass_count.py``)."""
+    return tl.maximum(abits & 0x7F800000, 127 << 23)
+
+
+@triton.jit
 def e2m1_rne_arith(a):
     """Round |v| in [0, 6] to the E2M1 grid arithmetically: (magnitude code, rounded value).
-    The grid spacing is s = 0.5, 1, 2 below 2, 4, 6, and (a + C) - C with C = 2**22, 2**23,
-    2**24 (the floats whose ulp is s) rounds a to a multiple of s, ties to the even multiple:
-    two exact IEEE additions (no libdevice: it runs in the interpreter). The code follows from
-    the value (0..2 by halves: 2v; 2, 3, 4: v + 2; 4, 6: v / 2 + 4). The same codes as
-    ``e2m1_codes_rne`` (checked on every boundary and its float32 neighbours), in fewer
-    instructions and without the value lookup."""
-    small = a < 2.0
-    mid = a < 4.0
-    c = tl.where(small, 4194304.0, tl.where(mid, 8388608.0, 16777216.0))
-    value = (a + c) - c
-    code = tl.where(small, value * 2.0, tl.where(mid, value + 2.0, value * 0.5 + 4.0))
-    return code.to(tl.int32), value
+    The grid spacing is s = 0.5, 1, 2 below 2, 4, 6, and (a + C) - C with C = 2**23 * s (the
+    float whose ulp is s: 2**22, 2**23, 2**24) rounds a to a multiple of s, ties to the even
+    multiple: two exact IEEE additions (no libdevice: it runs in the interpreter). C comes from
+    a's exponent bits (``_grid_exponent_bits``). The code is the multiple in t = a + C's
+    mantissa (t's bits minus C's) plus 0, 2, 4 for s = 0.5, 1, 2 (codes 0..4 by halves, then
+    2, 3, 4 -> 4..6, then 4, 6 -> 6, 7): integer operations, no float-to-int conversion (a
+    quarter or less of the FP32 rate on Hopper). The same codes as ``e2m1_codes_rne`` (checked
+    on every boundary and its float32 neighbours), in fewer instructions."""
+    cbits = _grid_exponent_bits(a.to(tl.int32, bitcast=True)) + (22 << 23)
+    c = cbits.to(tl.float32, bitcast=True)
+    t = a + c
+    value = t - c
+    code = (t.to(tl.int32, bitcast=True) - cbits) + ((cbits >> 22) - 298)  # C's exponent field * 2 - 298: 0, 2, 4
+    return code, value
 
 
 @triton.jit
@@ -116,20 +128,21 @@ def e2m1_sr(a, bits16):
     """Stochastic rounding of |v| in [0, 6] to the E2M1 grid with 16 random bits per element
     (int32 in [0, 2**16)): (magnitude code, rounded value), the reference's ``_round_sr``.
 
-    With the grid spacing s (0.5, 1, 2 below 2, 4, 6), y = a / s in [0, 4) is exact; Y is y to
-    16 fractional bits (round to nearest even) and the result is floor((Y + bits) / 2**16) * s:
-    up with probability frac(y) to 16 bits. Done on the bits of t = y + 128 (ulp 2**-16, so the
-    addition is the rounding and t's mantissa is Y): add the random bits, clear the 16 low
-    mantissa bits (floor), subtract 128. Float adds, one integer add and one mask, no
-    float-int conversion (a quarter of the FP32 rate on Hopper)."""
-    small = a < 2.0
-    mid = a < 4.0
-    y = a * tl.where(small, 2.0, tl.where(mid, 1.0, 0.5))
+    With the grid spacing s (0.5, 1, 2 below 2, 4, 6; from a's exponent bits,
+    ``_grid_exponent_bits``), y = a / s in [0, 4) is exact; Y is y to 16 fractional bits (round
+    to nearest even) and the result is floor((Y + bits) / 2**16) * s: up with probability
+    frac(y) to 16 bits. Done on the bits of t = y + 128 (ulp 2**-16, so the addition is the
+    rounding and t's mantissa is Y): add the random bits, clear the 16 low mantissa bits
+    (floor), subtract 128. The code is the multiple k (t's bits above 128's, in units of
+    2**16) plus 0, 2, 4 for s = 0.5, 1, 2. Float adds and integer operations, no float-int
+    conversion (a quarter or less of the FP32 rate on Hopper)."""
+    sbits = _grid_exponent_bits(a.to(tl.int32, bitcast=True)) - (1 << 23)  # s
+    y = a * ((254 << 23) - sbits).to(tl.float32, bitcast=True)  # a * (1 / s), exact
     t = (y + 128.0).to(tl.int32, bitcast=True)
-    k = ((t + bits16) & -65536).to(tl.float32, bitcast=True) - 128.0
-    value = k * tl.where(small, 0.5, tl.where(mid, 1.0, 2.0))
-    code = tl.where(small, value * 2.0, tl.where(mid, value + 2.0, value * 0.5 + 4.0))
-    return code.to(tl.int32), value
+    kbits = (t + bits16) & -65536
+    value = (kbits.to(tl.float32, bitcast=True) - 128.0) * sbits.to(tl.float32, bitcast=True)
+    code = ((kbits - 0x43000000) >> 16) + 2 * ((sbits >> 23) - 126)  # 128.0 = 0x43000000
+    return code, value
 
 
 @triton.jit
