@@ -137,9 +137,10 @@ class HopperFP8Backend:
     # x [T, K] both ways from one kernel only from this K up. Measured on the H200 at T = 16384
     # (benchmarks/results/hopper_h200_2026-12-01_s9, bench_hopper --sections bothx), fused
     # against two calls: K = 768: 0.156 / 0.130 ms, 2048: 0.160 / 0.151, 4096: 0.259 / 0.273,
-    # 8192: 0.505 / 0.526, 14336: 0.871 / 0.912. Below 4096 a row fits one chunk of the e4m3
-    # kernel (one read, one launch), so the two calls read x twice in two launches, as the
-    # fused kernel does, and without its row-maximum reduction between them.
+    # 8192: 0.505 / 0.526, 14336: 0.871 / 0.912. Up to K = 2048 a row fits one chunk of the
+    # e4m3 kernel (one read, one launch), so the two calls read x twice in two launches, as
+    # the fused kernel does, and without its row-maximum reduction between them. Between 2048
+    # and 4096 nothing was measured; those sizes take the two calls too.
     FUSED_X_MIN_K = 4096
 
     def quantize_and_pack(self, x, spec_cols: OperandSpec, spec_rows: OperandSpec) -> tuple[E4M3Operand, MXFP4Tensor]:
