@@ -83,7 +83,7 @@ def run_one(args, name: str, seed: int) -> None:
     out = Path(args.out) / f"{name}-s{seed}"
     recipe = "bf16" if name == "bf16" else ("mxfp4" if name == "mxfp4" else "adahop_lv2")
     cfg = preset(args.preset, recipe=recipe, seed=seed, out_dir=str(out), corpus_dir=args.corpus,
-                 steps=args.steps, lr=args.lr, progress=False, compile=getattr(args, "compile", False))
+                 steps=args.steps, lr=args.lr, progress=False, compile=args.compile)
     corpus = load_corpus(cfg.corpus_dir)
     model, batches = open_run(cfg, corpus)
     qcfg = VARIANTS[name]().replace(calibration_steps=cfg.calibration_steps, backend=cfg.backend, seed=seed)

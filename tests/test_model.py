@@ -84,21 +84,17 @@ def test_compute_copies_cast_once_per_reader_and_sum_gradients_in_float32():
     assert torch.equal(x.grad, torch.full((4, 8), 1.0 + 2.0**-8))
 
 
-def test_autocast_model_equals_linears_that_cast_their_own_input():
+def test_autocast_model_equals_linears_that_cast_their_own_input(monkeypatch):
     """compute_copies changes no value: the block under autocast equals the same block whose
     linear layers each receive the float32 input and cast it themselves (autocast's F.linear)."""
+    import adahop.train.model as model_mod
+
     m = tiny()
     x = tokens(2, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = m(x)
-        import adahop.train.model as model_mod
-
-        orig = model_mod.compute_copies
-        model_mod.compute_copies = lambda t, n: (t,) * n
-        try:
-            y_ref = m(x)
-        finally:
-            model_mod.compute_copies = orig
+        monkeypatch.setattr(model_mod, "compute_copies", lambda t, n: (t,) * n)
+        y_ref = m(x)
     assert torch.equal(y, y_ref)
 
 
