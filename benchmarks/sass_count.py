@@ -50,17 +50,20 @@ VARIANTS = [
 # quantize_both: its pointers (bf16 input, e4m3 / u8 / fp32 outputs) and ints.
 BOTH_POINTERS = {
     "x_ptr": "*bf16", "e4a_ptr": "*fp8e4nv", "e4a_bits_ptr": "*u8", "rsa_ptr": "*fp32", "parta_ptr": "*u8",
-    "emaxa_ptr": "*u8", "e4b_ptr": "*fp8e4nv", "e4b_bits_ptr": "*u8", "rsb_ptr": "*fp32", "partb_ptr": "*u8",
-    "emaxb_ptr": "*u8", "codes_b_ptr": "*u8", "scales_b_ptr": "*u8",
+    "emaxa_ptr": "*u8", "ssa_ptr": "*fp32", "e4b_ptr": "*fp8e4nv", "e4b_bits_ptr": "*u8", "rsb_ptr": "*fp32",
+    "partb_ptr": "*u8", "emaxb_ptr": "*u8", "ssb_ptr": "*fp32", "codes_b_ptr": "*u8", "scales_b_ptr": "*u8",
 }
 BOTH_INTS = ["stride_r", "R", "C", "RP", "CP", "sr_key_a", "sr_key_b", "sign_key_a", "sign_key_b"]
-# (name, PHASE, B_PACKED, SR): the launches of the layer's forward (x: e4m3 along C, packed
-# along R, RNE) and backward (g: e4m3 both ways, SR: the default rounding of gradients).
+# (name, PHASE, B_PACKED, SR, SUMSQ_A, SUMSQ_B): the launches of the layer's forward (x: e4m3
+# along C, packed along R, RNE; with x's column norms for wgrad's OE-right) and backward (g: e4m3
+# both ways, SR: the default rounding of gradients; with g's row norms for dgrad's OE-left).
 BOTH_VARIANTS = [
-    ("x: phase 1 (+packed)", 1, True, False),
-    ("x: phase 2", 2, True, False),
-    ("g: phase 1", 1, False, True),
-    ("g: phase 2", 2, False, True),
+    ("x: phase 1 (+packed)", 1, True, False, False, False),
+    ("x: phase 1, col norms", 1, True, False, False, True),
+    ("x: phase 2", 2, True, False, False, False),
+    ("g: phase 1", 1, False, True, False, False),
+    ("g: phase 1, row norms", 1, False, True, True, False),
+    ("g: phase 2", 2, False, True, False, False),
 ]
 
 
@@ -116,10 +119,11 @@ def main() -> None:
         )
         report(name, sass_of(meta, a.warps))
     print(f"quantize_both, tile {a.both_tile} x {a.both_tile}, {a.both_warps} warps, Hadamard 32 both ways")
-    for name, phase, packed, sr in BOTH_VARIANTS:
+    for name, phase, packed, sr, ssa, ssb in BOTH_VARIANTS:
         meta = dict(
             BLOCK_R=a.both_tile, BLOCK_C=a.both_tile, LOG2_HA=5, LOG2_HB=5, HAS_SIGNS_A=False, HAS_SIGNS_B=False,
             SCALE_MODE_A=1, SCALE_MODE_B=1, SR_A=sr, SR_B=sr, NAN_BY_CAST=True, PHASE=phase, B_PACKED=packed,
+            SUMSQ_A=ssa, SUMSQ_B=ssb,
         )
         report(name, sass_of(meta, a.both_warps, _quantize_both_kernel))
 

@@ -12,6 +12,7 @@ from adahop.kernels.quantize import quantize_operand_triton  # noqa: E402
 from adahop.kernels.quantize_both import quantize_both  # noqa: E402
 from adahop.ops.kernel_backends import HopperFP8Backend  # noqa: E402
 from adahop.ops.operand import OperandSpec  # noqa: E402
+from adahop.ops.outliers import largest_k, outer_norms, topk_outer  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -144,7 +145,8 @@ class _EmulatedHopperSeparate(_EmulatedHopper):
 def test_layer_same_with_and_without_fusion(monkeypatch, layer_on_backend, recipe, modes):
     """The layer's output and gradients are the same bits whether x's two quantizations (forward)
     and g's two (backward) come from one kernel each or from two calls (and the fused kernels are
-    what the layer calls)."""
+    what the layer calls). With outlier extraction the fused kernels' norms pick the slices
+    (no tie within float32 rounding here, so the same slices)."""
     T, K, N = 64, 64, 96
     x, g = make((T, K), seed=1), make((T, N), seed=3)
     w = make((N, K), seed=2).float() * 0.1
@@ -152,15 +154,18 @@ def test_layer_same_with_and_without_fusion(monkeypatch, layer_on_backend, recip
     for name in ("quantize_both", "quantize_and_pack"):
         real = getattr(HopperFP8Backend, name)
 
-        def counting(self, *args, _real=real, _name=name):
-            calls.append(_name)
-            return _real(self, *args)
+        def counting(self, *args, _real=real, _name=name, **kwargs):
+            calls.append((_name, tuple(sorted(k for k, v in kwargs.items() if v))))
+            return _real(self, *args, **kwargs)
 
         monkeypatch.setattr(_EmulatedHopper, name, counting)
     monkeypatch.setattr(_EmulatedHopper, "FUSED_X_MIN_K", 0)  # the fused x kernel at this small K too
     outs = [layer_on_backend(backend, recipe, x, w, g, modes)
             for backend in (_EmulatedHopper(), _EmulatedHopperSeparate())]
-    assert sorted(calls) == ["quantize_and_pack", "quantize_both"]
+    # with OE (lv2: dgrad OE-left, wgrad OE-right) the fused kernels also sum the norms it ranks
+    asked = [("quantize_and_pack", ("col_norms",)), ("quantize_both", ("row_norms",))] if modes else \
+        [("quantize_and_pack", ()), ("quantize_both", ())]
+    assert sorted(calls) == asked
     for ref, got in zip(outs[1], outs[0]):
         assert torch.equal(ref, got)
     assert torch.isfinite(outs[0][2]).all()
@@ -178,11 +183,52 @@ def test_quantize_and_pack_takes_two_calls_below_the_fused_size(monkeypatch):
     monkeypatch.setattr(qb, "quantize_both", lambda *a, **k: launched.append(1) or real(*a, **k))
     backend = HopperFP8Backend()
     assert x.shape[1] < backend.FUSED_X_MIN_K
-    a2, b2 = backend.quantize_and_pack(x, spec, spec)
+    a2, b2, n2 = backend.quantize_and_pack(x, spec, spec, col_norms=True)
     assert not launched
     monkeypatch.setattr(HopperFP8Backend, "FUSED_X_MIN_K", 32)
-    a1, b1 = backend.quantize_and_pack(x, spec, spec)
+    a1, b1, n1 = backend.quantize_and_pack(x, spec, spec, col_norms=True)
     assert launched == [1]
     assert torch.equal(a1.e4m3.view(torch.uint8), a2.e4m3.view(torch.uint8))
     assert torch.equal(a1.row_scale, a2.row_scale)
     assert torch.equal(b1.codes, b2.codes) and torch.equal(b1.scale_e8m0, b2.scale_e8m0)
+    # the column norms: the reference's from the two calls, summed by the kernel when fused
+    assert torch.equal(n2, outer_norms(x, 1))
+    torch.testing.assert_close(n1, n2, rtol=1e-6, atol=0)
+    assert backend.quantize_and_pack(x, spec, spec)[2] is None
+
+
+@pytest.mark.parametrize("rows_form", ["e4m3", "packed"])
+def test_norms_from_the_first_pass(rows_form):
+    """Row and column norms summed in PHASE 1 equal ``ops.outliers.outer_norms`` up to the order
+    of the additions, with tiles that split both dims (partial sums added by torch), and leave
+    the quantized outputs unchanged."""
+    x = make((150, 200), seed=11)
+    x[7] *= 1000  # a row and a column that outlier extraction picks
+    x[:, 33] *= 1000
+    cols, rows = dict(hadamard_size=32, rounding="sr", sr_seed=2), dict(hadamard_size=32)
+    a, b = quantize_both(x, cols, rows, rows_form=rows_form, row_norms=True, col_norms=True, block_r=32, block_c=64)
+    torch.testing.assert_close(a["norms"], outer_norms(x, 0), rtol=1e-6, atol=0)
+    torch.testing.assert_close(b["norms"], outer_norms(x, 1), rtol=1e-6, atol=0)
+    assert torch.equal(largest_k(a["norms"], 8), topk_outer(x, 0, 8)) and 7 in largest_k(a["norms"], 8)
+    assert torch.equal(largest_k(b["norms"], 8), topk_outer(x, 1, 8)) and 33 in largest_k(b["norms"], 8)
+    plain_a, plain_b = quantize_both(x, cols, rows, rows_form=rows_form, block_r=32, block_c=64)
+    assert "norms" not in plain_a and "norms" not in plain_b
+    assert_same(a, plain_a)
+    if rows_form == "e4m3":
+        assert_same(b, plain_b)
+    else:
+        assert torch.equal(b["mx"].codes, plain_b["mx"].codes) and torch.equal(b["mx"].scale_e8m0, plain_b["mx"].scale_e8m0)
+    empty_a, empty_b = quantize_both(x[:0], cols, rows, rows_form=rows_form, row_norms=True, col_norms=True)
+    assert empty_a["norms"].shape == (0,) and torch.equal(empty_b["norms"], torch.zeros(200, device=x.device))
+
+
+def test_backend_quantize_both_row_norms():
+    x = make((96, 128), seed=12)
+    spec = OperandSpec(hadamard_size=32, rounding="sr", sr_seed=4)
+    backend = HopperFP8Backend()
+    a, b, norms = backend.quantize_both(x, spec, spec, row_norms=True)
+    torch.testing.assert_close(norms, outer_norms(x, 0), rtol=1e-6, atol=0)
+    a0, b0, none = backend.quantize_both(x, spec, spec)
+    assert none is None
+    assert torch.equal(a.e4m3.view(torch.uint8), a0.e4m3.view(torch.uint8))
+    assert torch.equal(b.e4m3.view(torch.uint8), b0.e4m3.view(torch.uint8))

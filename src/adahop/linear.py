@@ -89,17 +89,18 @@ class LayerPlan:
     needs_backward: bool = True  # False under no_grad / inference: nothing is saved for wgrad
 
 
-def _mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=None, b_cols_hp=None, b_cols_idx=None, a_q=None, out_dtype):
+def _mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=None, b_cols_hp=None, b_cols_idx=None, a_q=None, a_norms=None, out_dtype):
     """C = A @ B with A given as 2-D ``a`` (contraction along ``a_dim``) and B's transpose as 2-D
     ``b`` (contraction along ``b_dim``): the NT form. OE slices are chosen, zeroed, computed in
     high precision and written over the MXFP4 result (whose zeroed slices are exactly 0).
 
     ``a_hp(rows)`` / ``b_hp`` give the high-precision matrices for OE; for wgrad's OE-right the
     saved columns come in ``b_cols_hp`` with their indices ``b_cols_idx``. ``a_q``: A already
-    quantized (the backward's gradient: both orientations come from one kernel)."""
+    quantized (the backward's gradient: both orientations come from one kernel); ``a_norms``: the
+    L2 norms of A's rows, if that kernel summed them (for OE-left)."""
     rows_idx = cols_idx = None
     if plan.mode == "iht+oe_left":
-        rows_idx = backend.select_outer(a, 1 - a_dim, plan.oe_k)
+        rows_idx = backend.select_outer(a, 1 - a_dim, plan.oe_k, norms=a_norms)
     elif plan.mode == "iht+oe_right" and b_cols_idx is None:
         cols_idx = backend.select_outer(b, 1 - b_dim, plan.oe_k)
     if a_q is None:
@@ -128,12 +129,14 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
             plan.layer._observe("w", w_NK)
 
         fp, wg = plan.fprop, plan.wgrad
-        x_fprop = x_saved = None
+        x_fprop = x_saved = x_col_norms = None
         if (fp.quantized and wg.quantized and plan.needs_backward
                 and getattr(backend, "quantize_and_pack", None) is not None):
             # x is A of fprop (along K) and B of wgrad (along T, packed, saved): one call
-            # quantizes both orientations (one kernel from the same reads where that is faster).
-            x_fprop, x_saved = backend.quantize_and_pack(x_TK, fp.a, wg.b)
+            # quantizes both orientations (one kernel from the same reads where that is faster),
+            # and gives the column norms that wgrad's OE-right ranks.
+            x_fprop, x_saved, x_col_norms = backend.quantize_and_pack(
+                x_TK, fp.a, wg.b, col_norms=wg.mode == "iht+oe_right")
 
         # GEMM 1: fprop y_TN = x_TK @ w_NK^T, [T,K]@[K,N]->[T,N]; A = x (rows: tokens),
         # B = w^T (columns: output features). Both quantized along K.
@@ -161,7 +164,7 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
         else:
             cols_idx = None
             if wg.mode == "iht+oe_right":  # OE on B = x's columns (input features)
-                cols_idx = backend.select_outer(x_TK, 1, wg.oe_k)
+                cols_idx = backend.select_outer(x_TK, 1, wg.oe_k, norms=x_col_norms)
             x_q = x_saved if x_saved is not None else backend.quantize_packed(x_TK, 0, wg.b, zero_outer=cols_idx)
             ctx.wgrad_x_q = (x_q.shape, x_q.dim, x_q.block_size)
             saved += [x_q.codes, x_q.scale_e8m0]
@@ -182,12 +185,14 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
         if plan.layer is not None:
             plan.layer._observe("g", g_TN)
         dx_TK = dw_NK = None
-        g_dgrad = g_wgrad = None
+        g_dgrad = g_wgrad = g_row_norms = None
         if (ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and plan.dgrad.quantized
                 and plan.wgrad.quantized and getattr(backend, "quantize_both", None) is not None):
             # g is A of both backward GEMMs (along N for dgrad, along T for wgrad): one kernel
-            # quantizes both orientations from the same reads.
-            g_dgrad, g_wgrad = backend.quantize_both(g_TN, plan.dgrad.a, plan.wgrad.a)
+            # quantizes both orientations from the same reads, and sums the row norms that
+            # dgrad's OE-left ranks.
+            g_dgrad, g_wgrad, g_row_norms = backend.quantize_both(
+                g_TN, plan.dgrad.a, plan.wgrad.a, row_norms=plan.dgrad.mode == "iht+oe_left")
 
         # GEMM 2: dgrad dx_TK = g_TN @ w_NK, [T,N]@[N,K]->[T,K]; A = g (rows: tokens, quantized
         # along N), B = w (columns: input features, quantized along N = dim 0 of w).
@@ -201,6 +206,7 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
                     a_hp=lambda idx: g_TN if idx is None else g_TN[idx],
                     b_hp=lambda: w_NK,
                     a_q=g_dgrad,
+                    a_norms=g_row_norms,
                     out_dtype=g_TN.dtype,
                 )
                 g_dgrad = None  # freed before wgrad

@@ -158,12 +158,15 @@ def _emit_chunk(
         c = e2m1_codes_rne(a)
     vbits = v.to(tl.int32, bitcast=True)
     if WRITE_PACKED:
-        code = tl.reshape(c | ((vbits >> 28) & 8), (BLOCK_R, BLOCK_K // 2, 2))  # sign -> bit 3
+        code = tl.reshape(c | ((vbits >> 28) & 8), (BLOCK_R, NB, 16, 2))  # sign -> bit 3
         lo, hi = tl.split(code)
-        packed = (lo | (hi << 4)).to(tl.uint8)
-        pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        pmask = row_ok[:, None] & (pcols[None, :] < KP // 2)
-        tl.store(codes_ptr + rows[:, None].to(tl.int64) * (KP // 2) + pcols[None, :], packed, mask=pmask)
+        packed = tl.reshape((lo | (hi << 4)).to(tl.uint8), (BLOCK_R, BLOCK_K // 2))
+        # KP and k0 are multiples of 32 (k0 of the chunk), so a block's 16 bytes are 16-aligned
+        # (k0 must be a tensor, not a literal, for tl.multiple_of)
+        prow = tl.multiple_of(KP // 2, 16)
+        pcols = tl.multiple_of(k0 // 2, 16) + tl.arange(0, BLOCK_K // 2)
+        pmask = row_ok[:, None] & (pcols[None, :] < prow)
+        tl.store(codes_ptr + rows[:, None].to(tl.int64) * prow + pcols[None, :], packed, mask=pmask)
     if WRITE_E4M3:
         e_ref = e_rowmax[:, None]
         shift = tl.maximum(e - e_ref + 6, -126)  # below that it is 0 in e4m3 anyway
@@ -246,7 +249,8 @@ def _mxfp4_quantize_kernel(
             tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok)
         if WRITE_SUMSQ:
             tl.store(sumsq_ptr + rows, tl.sum(x * x, axis=1), mask=row_ok)
-        _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, 0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_E2M1)
+        # k0 = k_lo (0 here) as a tensor: _emit_chunk states its divisibility (tl.multiple_of)
+        _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, k_lo, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_E2M1)
     elif PHASE == 1:  # largest block exponent of this K range, for PHASE 2
         e_part = tl.full((BLOCK_R,), -127, tl.int32)
         for k0 in range(k_lo, k_hi, BLOCK_K):

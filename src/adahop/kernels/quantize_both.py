@@ -16,6 +16,17 @@ R. Two launches, as the one-orientation form:
   each row's maximum;
 * PHASE 2 reads the tile again and emits both e4m3 forms and row scales.
 
+(An atomic max into one int32 per row, in place of the partial maxima and their reductions, made
+PHASE 1 slower: Triton gives atomics a layout of one element per thread, which pulls the tile and
+its butterfly into it; 856 -> 1,280 SASS instructions for g's PHASE 1.)
+
+Optionally (``row_norms`` / ``col_norms``) PHASE 1 also sums the squares of x's rows and/or
+columns (the values as given, in float32): each tile writes its partial sums, torch adds them and
+takes the square root. These are the L2 norms by which outlier extraction ranks the slices
+(``ops.outliers``), from reads this kernel makes anyway, where ``torch.linalg.vector_norm`` reads
+x once more (0.18 ms for g [16384, 14336] on the H200). They differ from it only in the order of
+the float additions.
+
 g is read twice instead of four times. The blocks, counters (SR) and signs of each orientation are
 those of the one-orientation kernel, so the outputs are identical (tested).
 
@@ -48,17 +59,19 @@ from adahop.kernels.quantize import (
 @triton.jit(do_not_specialize=["sr_key_a", "sr_key_b", "sign_key_a", "sign_key_b"])
 def _quantize_both_kernel(
     x_ptr, stride_r, stride_c, R, C, RP, CP,
-    e4a_ptr, e4a_bits_ptr, rsa_ptr, parta_ptr, emaxa_ptr,
-    e4b_ptr, e4b_bits_ptr, rsb_ptr, partb_ptr, emaxb_ptr, codes_b_ptr, scales_b_ptr,
+    e4a_ptr, e4a_bits_ptr, rsa_ptr, parta_ptr, emaxa_ptr, ssa_ptr,
+    e4b_ptr, e4b_bits_ptr, rsb_ptr, partb_ptr, emaxb_ptr, ssb_ptr, codes_b_ptr, scales_b_ptr,
     sr_key_a, sr_key_b, sign_key_a, sign_key_b, norm_a, norm_b,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     LOG2_HA: tl.constexpr, LOG2_HB: tl.constexpr, HAS_SIGNS_A: tl.constexpr, HAS_SIGNS_B: tl.constexpr,
     SCALE_MODE_A: tl.constexpr, SCALE_MODE_B: tl.constexpr, SR_A: tl.constexpr, SR_B: tl.constexpr,
     NAN_BY_CAST: tl.constexpr, PHASE: tl.constexpr, B_PACKED: tl.constexpr,
+    SUMSQ_A: tl.constexpr, SUMSQ_B: tl.constexpr,
 ):
     """Program (i, j) owns rows [i * BLOCK_R, ...) and columns [j * BLOCK_C, ...) of x. Orientation
     A: rows of x, quantized along C (K = CP); orientation B: columns of x, quantized along R
-    (K = RP), in the e4m3 form or, with ``B_PACKED``, the packed form (emitted in PHASE 1)."""
+    (K = RP), in the e4m3 form or, with ``B_PACKED``, the packed form (emitted in PHASE 1).
+    ``SUMSQ_A`` / ``SUMSQ_B`` (PHASE 1): this tile's sums of squares of x's rows / columns."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -66,6 +79,11 @@ def _quantize_both_kernel(
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if PHASE == 1:
+        if SUMSQ_A:
+            tl.store(ssa_ptr + pid_c * R + rows, tl.sum(x * x, axis=1), mask=rows < R)
+        if SUMSQ_B:
+            tl.store(ssb_ptr + pid_r * C + cols, tl.sum(x * x, axis=0), mask=cols < C)
     xa = _transform(x, cols, sign_key_a, norm_a, BLOCK_R, BLOCK_C, LOG2_HA, HAS_SIGNS_A, True)
     ea, fina = _blocks(xa, BLOCK_R, BLOCK_C, SCALE_MODE_A)
     rows_a_ok = rows < R
@@ -106,13 +124,17 @@ _QUANTIZE_BOTH = FastLauncher(_quantize_both_kernel)
 
 
 def quantize_both(x: torch.Tensor, along_cols: dict, along_rows: dict, *, rows_form: str = "e4m3",
-                  block_r: int | None = None, block_c: int | None = None, num_warps: int | None = None):
+                  row_norms: bool = False, col_norms: bool = False, block_r: int | None = None, block_c: int | None = None, num_warps: int | None = None):
     """Quantize 2-D ``x`` [R, C] along C (``along_cols``: the keywords of
     ``quantize_operand_triton`` for ``dim=1``) and along R (``along_rows``: for ``dim=0``).
     Returns two dicts, equal to ``quantize_operand_triton(x, 1, e4m3=True, packed=False,
     **along_cols)`` (``"e4m3"``, ``"row_scale"``) and, by ``rows_form``, to
     ``quantize_operand_triton(x, 0, e4m3=True, packed=False, **along_rows)`` (``"e4m3"``) or
     ``quantize_operand_triton(x, 0, **along_rows)`` (``"packed"``: ``"mx"``, an MXFP4Tensor).
+
+    ``row_norms`` / ``col_norms``: the first / second dict also holds ``"norms"``, the float32 L2
+    norms of x's rows / columns (that orientation's outer slices), by which outlier extraction
+    ranks them (``ops.outliers.outer_norms``, up to the order of the additions).
 
     ``block_r`` / ``block_c``: the tile, powers of two, each a multiple of 32 and of the
     Hadamard size of the orientation that transforms along it (default: 64, or that size if
@@ -154,16 +176,22 @@ def quantize_both(x: torch.Tensor, along_cols: dict, along_rows: dict, *, rows_f
         rsa.fill_(2.0**-133)
         if not packed:
             rsb.fill_(2.0**-133)
+        if row_norms:
+            out_a["norms"] = torch.zeros((R,), dtype=torch.float32, device=dev)
+        if col_norms:
+            out_b["norms"] = torch.zeros((C,), dtype=torch.float32, device=dev)
         return out_a, out_b
     grid = (cdiv(RP, block_r), cdiv(CP, block_c))  # covers the padding of both
     parta = torch.empty((grid[1], R, 16), dtype=torch.uint8, device=dev)
     emaxa = torch.empty((R,), dtype=torch.uint8, device=dev)
     partb = dummy if packed else torch.empty((grid[0], C, 16), dtype=torch.uint8, device=dev)
     emaxb = dummy if packed else torch.empty((C,), dtype=torch.uint8, device=dev)
+    ssa = torch.empty((grid[1], R), dtype=torch.float32, device=dev) if row_norms else dummy
+    ssb = torch.empty((grid[0], C), dtype=torch.float32, device=dev) if col_norms else dummy
     args = (
         x, x.stride(0), x.stride(1), R, C, RP, CP,
-        e4a, nan_bytes_view(e4a), rsa, parta, emaxa,
-        e4b, dummy if packed else nan_bytes_view(e4b), rsb, partb, emaxb, codes_b, scales_b,
+        e4a, nan_bytes_view(e4a), rsa, parta, emaxa, ssa,
+        e4b, dummy if packed else nan_bytes_view(e4b), rsb, partb, emaxb, ssb, codes_b, scales_b,
         a["sr_key"], b["sr_key"], a["sign_key"], b["sign_key"], a["norm"], b["norm"],
     )
     meta = dict(
@@ -172,9 +200,13 @@ def quantize_both(x: torch.Tensor, along_cols: dict, along_rows: dict, *, rows_f
         SCALE_MODE_B=b["scale_mode"], SR_A=a["sr"], SR_B=b["sr"],
         NAN_BY_CAST=not INTERPRETED, B_PACKED=packed, num_warps=num_warps,
     )
-    _QUANTIZE_BOTH[grid](*args, PHASE=1, **meta)
+    _QUANTIZE_BOTH[grid](*args, PHASE=1, SUMSQ_A=row_norms, SUMSQ_B=col_norms, **meta)
     torch.amax(parta[:, :, 0], dim=0, out=emaxa)
     if not packed:
         torch.amax(partb[:, :, 0], dim=0, out=emaxb)
-    _QUANTIZE_BOTH[grid](*args, PHASE=2, **meta)
+    _QUANTIZE_BOTH[grid](*args, PHASE=2, SUMSQ_A=False, SUMSQ_B=False, **meta)
+    if row_norms:
+        out_a["norms"] = ssa.sum(0).sqrt_()
+    if col_norms:
+        out_b["norms"] = ssb.sum(0).sqrt_()
     return out_a, out_b

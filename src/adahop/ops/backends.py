@@ -10,14 +10,16 @@ A backend has three operations, all in the NT form of ``ops.operand``:
   backward);
 * ``mm_nt(a, b, out_dtype)``: ``C[M, N] = A[M, K] @ B[N, K]^T`` with fp32 accumulation; ``a``/``b``
   are what ``quantize`` returned, or ``MXFP4Tensor``s;
-* ``select_outer(t, outer_dim, k)``: the sorted indices of the k outer slices of 2-D ``t`` that
-  outlier extraction computes in high precision (``ops.outliers``: the same slices on every
-  backend);
+* ``select_outer(t, outer_dim, k, norms=None)``: the sorted indices of the k outer slices of 2-D
+  ``t`` that outlier extraction computes in high precision (``ops.outliers``: the same slices on
+  every backend); ``norms``: their L2 norms, where the caller has them already;
 * optionally, two quantizations of one tensor from the same reads, bit for bit those of two
-  calls: ``quantize_both(x, spec_cols, spec_rows)`` (the backward's gradient, both orientations
-  in the GEMM form) and ``quantize_and_pack(x, spec_cols, spec_rows)`` (the forward's
-  activation: along dim 1 in the GEMM form, along dim 0 packed, to save). ``hopper_fp8`` has
-  them; the layer calls two quantizations where a backend does not.
+  calls: ``quantize_both(x, spec_cols, spec_rows, row_norms=False)`` (the backward's gradient,
+  both orientations in the GEMM form) and ``quantize_and_pack(x, spec_cols, spec_rows,
+  col_norms=False)`` (the forward's activation: along dim 1 in the GEMM form, along dim 0
+  packed, to save). Each returns ``(a, b, norms)``: the L2 norms of x's rows / columns when
+  asked (for outlier extraction, from the same reads), else None. ``hopper_fp8`` has them; the
+  layer calls two quantizations where a backend does not.
 
 Backends: ``reference`` (pure PyTorch, CPU and any GPU), ``triton`` (the fused Triton quantize
 kernel + the reference GEMM; also under ``TRITON_INTERPRET=1`` on the CPU), ``hopper_fp8``
@@ -40,7 +42,7 @@ import torch
 
 from adahop.formats.mxfp4 import MXFP4Tensor, dequantize_mxfp4
 from adahop.ops.operand import OperandSpec, quantize_operand
-from adahop.ops.outliers import topk_outer
+from adahop.ops.outliers import largest_k, topk_outer
 
 
 class ReferenceBackend:
@@ -64,8 +66,8 @@ class ReferenceBackend:
     quantize_packed = quantize
 
     @staticmethod
-    def select_outer(t: torch.Tensor, outer_dim: int, k: int) -> torch.Tensor:
-        return topk_outer(t, outer_dim, k)
+    def select_outer(t: torch.Tensor, outer_dim: int, k: int, norms: torch.Tensor | None = None) -> torch.Tensor:
+        return topk_outer(t, outer_dim, k) if norms is None else largest_k(norms, k)
 
     def mm_nt(self, a: MXFP4Tensor, b: MXFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         if a.padded_size != b.padded_size or a.block_size != b.block_size:

@@ -18,8 +18,12 @@ output dtypes we run it with unit scales into float32 and apply the two scales o
 ``native_mx``: the packed MXFP4 operands (what the quantize kernel writes) straight into
 ``tl.dot_scaled`` (``kernels.mx_gemm``): the block-scaled MMA of GPUs with MX tensor cores.
 
-Outlier extraction: the slices are chosen by ``kernels.topk`` from the reference's norms (one
-launch instead of ``torch.topk`` and a sort: the same indices). The caller overwrites the output
+Outlier extraction: the slices are chosen by ``kernels.topk`` (one launch instead of
+``torch.topk`` and a sort: the same indices) from the reference's norms, or, where
+``quantize_both`` / ``quantize_and_pack`` read the tensor anyway, from norms that kernel summed
+(the same L2 norms up to the order of the float additions, as the GEMMs are the reference's up
+to accumulation order: a slice could only be swapped for another whose norm is equal to within
+float32 rounding). The caller overwrites the output
 slices of the extracted rows/columns with their high-precision result, and MXFP4 quantizes each
 outer slice on its own, so zeroing those slices first (``zero_outer``) cannot change the result:
 these backends skip it (one pass less).
@@ -57,11 +61,12 @@ def _check(x: torch.Tensor, spec: OperandSpec) -> None:
         raise ValueError(f"the Triton kernels implement MX blocks of 32, got {spec.block_size}")
 
 
-def select_outer(t: torch.Tensor, outer_dim: int, k: int) -> torch.Tensor:
-    """``ops.outliers.topk_outer`` with the selection in one Triton launch."""
+def select_outer(t: torch.Tensor, outer_dim: int, k: int, norms: torch.Tensor | None = None) -> torch.Tensor:
+    """``ops.outliers.topk_outer`` with the selection in one Triton launch; ``norms``: the outer
+    slices' L2 norms where a quantize kernel already computed them."""
     from adahop.kernels.topk import topk_indices
 
-    return topk_indices(outer_norms(t, outer_dim), k)
+    return topk_indices(outer_norms(t, outer_dim) if norms is None else norms, k)
 
 
 class TritonBackend:
@@ -120,19 +125,20 @@ class HopperFP8Backend:
     quantize_packed = TritonBackend.quantize_packed
 
     @staticmethod
-    def _two_ways(x, spec_cols: OperandSpec, spec_rows: OperandSpec, rows_form: str):
+    def _two_ways(x, spec_cols: OperandSpec, spec_rows: OperandSpec, rows_form: str, **norms):
         from adahop.kernels.quantize_both import quantize_both
 
         _check(x, spec_cols)
         _check(x, spec_rows)
-        a, b = quantize_both(x, _kernel_args(spec_cols), _kernel_args(spec_rows), rows_form=rows_form)
-        return E4M3Operand(a["e4m3"], a["row_scale"]), b
+        return quantize_both(x, _kernel_args(spec_cols), _kernel_args(spec_rows), rows_form=rows_form, **norms)
 
-    def quantize_both(self, x, spec_cols: OperandSpec, spec_rows: OperandSpec) -> tuple[E4M3Operand, E4M3Operand]:
+    def quantize_both(self, x, spec_cols: OperandSpec, spec_rows: OperandSpec, row_norms: bool = False):
         """``quantize(x, 1, spec_cols)`` and ``quantize(x, 0, spec_rows)`` from the same reads of
-        ``x`` (``kernels.quantize_both``): the backward's two quantizations of the gradient."""
-        a, b = self._two_ways(x, spec_cols, spec_rows, "e4m3")
-        return a, E4M3Operand(b["e4m3"], b["row_scale"])
+        ``x`` (``kernels.quantize_both``): the backward's two quantizations of the gradient.
+        Returns ``(a, b, norms)``: with ``row_norms``, ``norms`` are the L2 norms of x's rows (what
+        dgrad's OE-left ranks), from the same reads; else None."""
+        a, b = self._two_ways(x, spec_cols, spec_rows, "e4m3", row_norms=row_norms)
+        return E4M3Operand(a["e4m3"], a["row_scale"]), E4M3Operand(b["e4m3"], b["row_scale"]), a.get("norms")
 
     # x [T, K] both ways from one kernel only from this K up. Measured on the H200 at T = 16384
     # (benchmarks/results/hopper_h200_2026-12-01_s9, bench_hopper --sections bothx), fused
@@ -143,15 +149,18 @@ class HopperFP8Backend:
     # and 4096 nothing was measured; those sizes take the two calls too.
     FUSED_X_MIN_K = 4096
 
-    def quantize_and_pack(self, x, spec_cols: OperandSpec, spec_rows: OperandSpec) -> tuple[E4M3Operand, MXFP4Tensor]:
+    def quantize_and_pack(self, x, spec_cols: OperandSpec, spec_rows: OperandSpec, col_norms: bool = False):
         """``quantize(x, 1, spec_cols)`` and ``quantize_packed(x, 0, spec_rows)``: the forward's
         activation, for fprop and packed for the backward. From the same reads of ``x`` (one
         kernel) when ``x`` has ``FUSED_X_MIN_K`` columns or more, else two calls (faster there);
-        the same bits either way."""
+        the same bits either way. Returns ``(a, b, norms)``: with ``col_norms``, ``norms`` are the
+        L2 norms of x's columns (what wgrad's OE-right ranks; from the fused kernel's reads, or
+        ``ops.outliers.outer_norms``), else None."""
         if x.dim() == 2 and x.shape[1] < self.FUSED_X_MIN_K:
-            return self.quantize(x, 1, spec_cols), self.quantize_packed(x, 0, spec_rows)
-        a, b = self._two_ways(x, spec_cols, spec_rows, "packed")
-        return a, b["mx"]
+            norms = outer_norms(x, 1) if col_norms else None
+            return self.quantize(x, 1, spec_cols), self.quantize_packed(x, 0, spec_rows), norms
+        a, b = self._two_ways(x, spec_cols, spec_rows, "packed", col_norms=col_norms)
+        return E4M3Operand(a["e4m3"], a["row_scale"]), b["mx"], b.get("norms")
 
     @staticmethod
     def as_e4m3(op) -> E4M3Operand:

@@ -1,0 +1,126 @@
+"""Compile the library's Triton kernels for a CUDA GPU on a machine without one.
+
+The CPU tests run the kernels under Triton's interpreter (``TRITON_INTERPRET=1``), which executes
+the Python of a kernel but compiles nothing: code the interpreter accepts can still fail to
+compile for a GPU (``tl.multiple_of`` on a literal did, in session 10). This module is the check
+for that, without a GPU:
+
+``compile_launches(work)`` runs ``work()`` (host code: the library's kernel entry points on CPU
+tensors) with every ``FastLauncher`` launch replaced by a compilation for the target (sm_90,
+Hopper, by default, through PTX to a cubin with the ptxas that ships with Triton). The signature,
+constexprs and specializations come from the launch's own arguments by Triton's own binder, so it
+compiles what the same call would compile on that GPU. Outputs are left unwritten (the host code
+around the launches runs on uninitialised memory; only what is compiled matters).
+
+    python -m adahop.kernels.offline          # compile every launch of ``library_launches``
+
+It must run without ``TRITON_INTERPRET=1`` (``triton.jit`` reads it at import): the tests run it
+in a subprocess (tests/test_offline_compile.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from contextlib import contextmanager
+
+import torch
+
+
+def compile_for_target(fn, args, kwargs, target):
+    """What ``fn[grid](*args, **kwargs)`` compiles on ``target``, as Triton's ``JITFunction.run``
+    builds it (signature, constexprs, divisibility and alignment attributes, options)."""
+    from triton import knobs
+    from triton.compiler import ASTSource, compile, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kwargs = dict(kwargs)
+    kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
+    key = repr((fn.__name__, signature, sorted(constexprs.items(), key=str), sorted(attrs.items(), key=str),
+                sorted(options.__dict__.items(), key=str)))
+    return key, lambda: compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+@contextmanager
+def compile_launches(arch: int = 90):
+    """Within the block, ``FastLauncher`` launches compile for CUDA ``sm_<arch>`` instead of
+    running; yields the list of ``(kernel name, constexprs, seconds)`` compiled (each distinct
+    compilation once)."""
+    from triton.backends.compiler import GPUTarget
+
+    from adahop.kernels.launch import INTERPRETED, FastLauncher
+
+    if INTERPRETED:
+        raise RuntimeError("offline compilation needs TRITON_INTERPRET unset (the kernels are interpreted)")
+    target = GPUTarget("cuda", arch, 32)
+    done: list = []
+    seen: set = set()
+
+    def launch(self, grid, args, kw):
+        key, build = compile_for_target(self.fn, args, kw, target)
+        if key not in seen:
+            seen.add(key)
+            t0 = time.perf_counter()
+            build()
+            done.append((self.fn.__name__, {k: v for k, v in kw.items() if k[0].isupper()}, time.perf_counter() - t0))
+
+    real = FastLauncher.launch
+    FastLauncher.launch = launch
+    try:
+        yield done
+    finally:
+        FastLauncher.launch = real
+
+
+def library_launches() -> None:
+    """The kernel entry points on small CPU operands that take every launch variant the layer
+    uses: one chunk per row and two passes, split K ranges, packed / e4m3 / both, RNE / SR,
+    signs, every scale mode, both orientations from one kernel (with and without the norms of
+    outlier extraction), unpack, top-k (in registers and re-read)."""
+    from adahop.kernels.quantize import quantize_operand_triton
+    from adahop.kernels.quantize_both import quantize_both
+    from adahop.kernels.topk import topk_indices
+    from adahop.kernels.unpack import unpack_to_e4m3
+
+    x = torch.randn(64, 4096).to(torch.bfloat16)
+    small = x[:, :768]
+    sr = dict(rounding="sr", sr_seed=1)
+    for rows in (small, x):  # one chunk per row (K <= 2048), two passes
+        quantize_operand_triton(rows, 1, hadamard_size=32)
+        quantize_operand_triton(rows, 1, hadamard_size=32, e4m3=True, packed=False)
+        quantize_operand_triton(rows, 1, hadamard_size=32, e4m3=True, packed=False, **sr)
+    quantize_operand_triton(x, 0, hadamard_size=32, **sr)  # along dim 0 (strided view)
+    quantize_operand_triton(x, 1, hadamard_size=32, e4m3=True, packed=False, k_splits=2)
+    quantize_operand_triton(x, 1, e4m3=True, packed=False)  # no Hadamard
+    for mode in ("floor", "ceil", "rceil"):
+        quantize_operand_triton(small, 1, hadamard_size=32, scale_mode=mode, signs_seed=3)
+    iht = dict(hadamard_size=32)
+    quantize_both(x, dict(iht, **sr), dict(iht, rounding="sr", sr_seed=2))
+    quantize_both(x, dict(iht, **sr), dict(iht, rounding="sr", sr_seed=2), row_norms=True)
+    quantize_both(x, iht, iht, rows_form="packed")
+    quantize_both(x, iht, iht, rows_form="packed", col_norms=True)
+    unpack_to_e4m3(quantize_operand_triton(x, 0, hadamard_size=32)["mx"])
+    topk_indices(torch.rand(4096), 64)
+    topk_indices(torch.rand(40000), 64)
+
+
+def main() -> int:
+    t0 = time.perf_counter()
+    with compile_launches() as done:
+        library_launches()
+    for name, meta, seconds in done:
+        print(f"{seconds:6.1f} s  {name}  {meta}")
+    print(f"compiled {len(done)} kernels for sm_90 in {time.perf_counter() - t0:.0f} s")
+    return 0 if done else 1
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("unset TRITON_INTERPRET: offline compilation needs the compiled kernels")
+    sys.exit(main())
