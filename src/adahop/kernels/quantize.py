@@ -59,31 +59,36 @@ from adahop.transforms.hadamard import HADAMARD_NORM
 def _load_transform(
     x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
-    FWHT_INPLACE: tl.constexpr,
+    FWHT_INPLACE: tl.constexpr, NORMED: tl.constexpr = True,
 ):
     cols = k0 + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < R) & (cols[None, :] < K)
     ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_k
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    return _transform(x, cols, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE)
+    return _transform(x, cols, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE, NORMED)
 
 
 @triton.jit
 def _transform(
     x, cols, sign_key, norm,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
-    FWHT_INPLACE: tl.constexpr,
+    FWHT_INPLACE: tl.constexpr, NORMED: tl.constexpr = True,
 ):
     """Random signs (by column index ``cols``) and the block Hadamard along the last dim of a
-    float32 ``[BLOCK_R, BLOCK_K]`` tile, as ``transforms.hadamard``."""
+    float32 ``[BLOCK_R, BLOCK_K]`` tile, as ``transforms.hadamard``. ``NORMED=False`` leaves out
+    the final multiplication by ``norm``: for a pass that only needs the block exponents, which
+    ``_blocks`` then takes with ``amax_scale=norm`` (the same bits, one multiplication per block
+    instead of one per element)."""
     if HAS_SIGNS:
         bit = lowbias32(cols.to(tl.uint32) ^ sign_key.to(tl.uint32)) >> 31
         x = x * (1.0 - 2.0 * bit.to(tl.float32))[None, :]
     if LOG2_H > 0:
         if FWHT_INPLACE:
-            x = fwht_inplace(x, BLOCK_R, BLOCK_K, LOG2_H) * norm
+            x = fwht_inplace(x, BLOCK_R, BLOCK_K, LOG2_H)
         else:
-            x = fwht(x, BLOCK_R, BLOCK_K, LOG2_H) * norm
+            x = fwht(x, BLOCK_R, BLOCK_K, LOG2_H)
+        if NORMED:
+            x = x * norm
     return x
 
 
@@ -93,11 +98,16 @@ def _max_nan(a, b):
 
 
 @triton.jit
-def _blocks(x, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_MODE: tl.constexpr):
-    """Per 32-block: exponent (NaN blocks: -127) and finiteness, as [BLOCK_R, BLOCK_K/32]."""
+def _blocks(x, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_MODE: tl.constexpr, amax_scale=1.0):
+    """Per 32-block: exponent (NaN blocks: -127) and finiteness, as [BLOCK_R, BLOCK_K/32].
+
+    ``amax_scale``: the blocks are those of ``x * amax_scale`` (x: a butterfly not yet times its
+    norm, ``_transform(NORMED=False)``). Rounding is monotone, so the largest of the rounded
+    products |x_i| * s is the rounded product of the largest |x_i|: amax(|x|) * s per block is
+    the block maximum of the normed values, bit for bit (NaN and Inf stay NaN and Inf: s < 1)."""
     xb = tl.reshape(x, (BLOCK_R, BLOCK_K // 32, 32))
     # A maximum that propagates NaN (tl.max ignores it): NaN and Inf blocks both fail amax < inf.
-    amax = tl.reduce(tl.abs(xb), 2, _max_nan)
+    amax = tl.reduce(tl.abs(xb), 2, _max_nan) * amax_scale
     finite = amax < float("inf")
     e = block_exponent(tl.where(finite, amax, 0.0), SCALE_MODE)
     return e, finite
@@ -254,8 +264,8 @@ def _mxfp4_quantize_kernel(
     elif PHASE == 1:  # largest block exponent of this K range, for PHASE 2
         e_part = tl.full((BLOCK_R,), -127, tl.int32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE)
-            e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
+            x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE, False)
+            e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE, norm)
             e_part = tl.maximum(e_part, tl.max(tl.where(finite, e, -127), axis=1))
             _store_row_exponent(epart_ptr + sid * R * 16, e_part, e, rows, row_ok, k0 + BLOCK_K >= k_hi, BLOCK_R, BLOCK_K)
     else:

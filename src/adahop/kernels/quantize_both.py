@@ -84,8 +84,9 @@ def _quantize_both_kernel(
             tl.store(ssa_ptr + pid_c * R + rows, tl.sum(x * x, axis=1), mask=rows < R)
         if SUMSQ_B:
             tl.store(ssb_ptr + pid_r * C + cols, tl.sum(x * x, axis=0), mask=cols < C)
-    xa = _transform(x, cols, sign_key_a, norm_a, BLOCK_R, BLOCK_C, LOG2_HA, HAS_SIGNS_A, True)
-    ea, fina = _blocks(xa, BLOCK_R, BLOCK_C, SCALE_MODE_A)
+    # PHASE 1 needs A's block exponents only: the butterfly without its norm (_blocks applies it)
+    xa = _transform(x, cols, sign_key_a, norm_a, BLOCK_R, BLOCK_C, LOG2_HA, HAS_SIGNS_A, True, PHASE == 2)
+    ea, fina = _blocks(xa, BLOCK_R, BLOCK_C, SCALE_MODE_A, 1.0 if PHASE == 2 else norm_a)
     rows_a_ok = rows < R
     rows_b_ok = cols < C
     if B_PACKED:
@@ -102,8 +103,8 @@ def _quantize_both_kernel(
             _emit_chunk(xa, ea, fina, emax_a, rows, rows_a_ok, pid_c * BLOCK_C, CP, sr_key_a,
                         e4a_ptr, e4a_ptr, e4a_ptr, e4a_bits_ptr, BLOCK_R, BLOCK_C, SR_A, False, True, NAN_BY_CAST, True)
     else:
-        xb = _transform(tl.trans(x), rows, sign_key_b, norm_b, BLOCK_C, BLOCK_R, LOG2_HB, HAS_SIGNS_B, True)
-        eb, finb = _blocks(xb, BLOCK_C, BLOCK_R, SCALE_MODE_B)
+        xb = _transform(tl.trans(x), rows, sign_key_b, norm_b, BLOCK_C, BLOCK_R, LOG2_HB, HAS_SIGNS_B, True, PHASE == 2)
+        eb, finb = _blocks(xb, BLOCK_C, BLOCK_R, SCALE_MODE_B, 1.0 if PHASE == 2 else norm_b)
         if PHASE == 1:
             ma = tl.max(tl.where(fina, ea, -127), axis=1)
             mb = tl.max(tl.where(finb, eb, -127), axis=1)
