@@ -587,6 +587,40 @@ def test_bf16_autocast_on_cpu(recipe):
     assert layer.bias.grad.dtype == torch.float32
     s = sqnr_db(x.double() @ w.double().t() + b.double(), y)
     assert s >= (AUTOCAST_BF16_MIN_DB if recipe == "bf16" else 14.0), s
+    # An MXFP4 wgrad writes the weight's gradient in the parameter's dtype (fp32), not rounded
+    # to bf16 first; a bf16 wgrad (the bf16 recipe, as nn.Linear under autocast) is bf16's.
+    dw = layer.weight.grad
+    rounded = torch.equal(dw, dw.to(torch.bfloat16).float())
+    assert rounded == (recipe == "bf16"), recipe
+
+
+def test_wgrad_in_parameter_dtype_is_the_mxfp4_gemm():
+    """Under bf16 autocast the MXFP4 wgrad GEMM's fp32 result is the weight's gradient as it
+    is: the reference GEMM of the quantized operands, with the OE-right columns from the bf16
+    GEMM of g and the saved columns of x."""
+    T, K, N = 64, 64, 48
+    x, w, g = gaussian_data(T, K, N, seed=21)
+    x[:, 3] *= 40  # a column OE-right picks
+    cfg = AdaHOPConfig.from_recipe_name("adahop_lv2").with_gemm_settings(oe_k=2)
+    layer = make_layer(cfg, w)
+    layer.set_modes({"fprop": "iht", "dgrad": "iht", "wgrad": "iht+oe_right"})
+    calls = layer.calls
+    wg = layer._plan(x.device, False, T, True).wgrad  # the plan of the call below (SR seeds too)
+    layer.__dict__["calls"] = calls
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x.clone().requires_grad_(True))
+    y.backward(g.to(torch.bfloat16))
+    from adahop.ops.backends import ReferenceBackend
+    from adahop.ops.outliers import topk_outer
+
+    x16, g16 = x.to(torch.bfloat16), g.to(torch.bfloat16)
+    ref = ReferenceBackend()
+    want = ref.mm_nt(ref.quantize(g16, 0, wg.a), ref.quantize(x16, 0, wg.b), torch.float32)
+    cols = topk_outer(x16, 1, 2)
+    assert 3 in cols.tolist()
+    want[:, cols] = (g16.t() @ x16[:, cols]).float()
+    assert layer.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(layer.weight.grad, want, rtol=1e-5, atol=1e-6)
 
 
 NAN_CASES = [(r, None) for r in ("mxfp4", "mxfp4_iht", "tseng")] + [

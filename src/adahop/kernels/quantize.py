@@ -180,19 +180,23 @@ def _emit_chunk(
     if WRITE_E4M3:
         e_ref = e_rowmax[:, None]
         shift = tl.maximum(e - e_ref + 6, -126)  # below that it is 0 in e4m3 anyway
-        if ARITH_E2M1:
-            val = mag * pow2(shift)[:, :, None]
-        else:
-            val = e2m1_value(c) * pow2(shift)[:, :, None]
-        # v's sign bit (a zero keeps it: -0 gives the e4m3 byte 0x80, as the reference)
-        val = (val.to(tl.int32, bitcast=True) | (vbits & -2147483648)).to(tl.float32, bitcast=True)
+        m = mag if ARITH_E2M1 else e2m1_value(c)
+        # v's sign bit on the magnitude (a zero keeps it: -0 gives the e4m3 byte 0x80, as the
+        # reference), then the power of two: the same value as signing the product.
+        m = (m.to(tl.int32, bitcast=True) | (vbits & -2147483648)).to(tl.float32, bitcast=True)
+        scale = pow2(shift)
+        if NAN_BY_CAST:
+            # Non-finite blocks: NaN by their factor, one select per block instead of one per
+            # element. The GPU's multiply returns its canonical NaN (positive) and its cvt to
+            # e4m3 makes that the NaN byte 0x7F.
+            scale = tl.where(finite, scale, float("nan"))
+        val = m * scale[:, :, None]
         cols = k0 + tl.arange(0, BLOCK_K)
         eoffs = rows[:, None].to(tl.int64) * KP + cols[None, :]
         emask = row_ok[:, None] & (cols[None, :] < KP)
         if NAN_BY_CAST:
             # One store whose mask does not depend on the data, so it vectorizes (16 B per
-            # thread); the GPU's cvt to e4m3 turns NaN into the NaN byte 0x7F.
-            val = tl.where(finite[:, :, None], val, float("nan"))
+            # thread).
             tl.store(e4m3_ptr + eoffs, tl.reshape(val, (BLOCK_R, BLOCK_K)).to(tl.float8e4nv), mask=emask)
         else:
             # Portable twin for the interpreter, whose fp8 cast gets NaN wrong: non-finite blocks

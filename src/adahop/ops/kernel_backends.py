@@ -12,8 +12,10 @@ the e4m3 element is exact while the block is within 14 binades of its row's larg
 is rounded: an error below 2**-15 of the row maximum). ``torch._scaled_mm`` with row-wise scales
 then computes ``sum_k a_e4m3 b_e4m3`` (products exact in fp32, fp32 accumulation with
 ``use_fast_accum=False``) times ``scale_a[m] * scale_b[n]`` (powers of two: exact), so the result
-is the MXFP4 GEMM up to fp32 accumulation order. Row-wise ``_scaled_mm`` writes bf16; for other
-output dtypes we run it with unit scales into float32 and apply the two scales ourselves.
+is the MXFP4 GEMM up to fp32 accumulation order. Row-wise ``_scaled_mm`` writes bf16, and float32
+where cuBLAS runs it (sm_90; the layer's weight gradient); where torch refuses float32 with
+row-wise scales, and for other output dtypes, it runs with unit scales into float32 and we apply
+the two scales ourselves.
 
 ``native_mx``: the packed MXFP4 operands (what the quantize kernel writes) straight into
 ``tl.dot_scaled`` (``kernels.mx_gemm``): the block-scaled MMA of GPUs with MX tensor cores.
@@ -111,6 +113,7 @@ class HopperFP8Backend:
 
     name = "hopper_fp8"
     select_outer = staticmethod(select_outer)
+    rowwise_fp32_out = True  # row-wise scaled GEMMs may write float32 (set False where refused)
 
     def __init__(self, use_fast_accum: bool = False):
         self.use_fast_accum = use_fast_accum
@@ -181,9 +184,18 @@ class HopperFP8Backend:
             a_e4, b_e4 = _pad_rows(a_e4, 16), _pad_rows(b_e4, 16)
             a_s, b_s = _pad_rows(a_s, 16, 1.0), _pad_rows(b_s, 16, 1.0)
         a_s, b_s = a_s.unsqueeze(1), b_s.unsqueeze(0)
-        if out_dtype == torch.bfloat16:
-            c = torch._scaled_mm(a_e4, b_e4.t(), scale_a=a_s, scale_b=b_s, out_dtype=torch.bfloat16, use_fast_accum=self.use_fast_accum)
-        else:
+        c = None
+        if out_dtype == torch.bfloat16 or (out_dtype == torch.float32 and self.rowwise_fp32_out):
+            try:
+                c = torch._scaled_mm(a_e4, b_e4.t(), scale_a=a_s, scale_b=b_s, out_dtype=out_dtype, use_fast_accum=self.use_fast_accum)
+            except RuntimeError:
+                if out_dtype == torch.bfloat16:
+                    raise
+                # Row-wise scales with a float32 output are cuBLAS's (sm_90, CUDA >= 12.9);
+                # torch's CUTLASS path (sm_89, older CUDA) refuses them: the same GEMM below,
+                # with the scales applied after it (exact: powers of two).
+                type(self).rowwise_fp32_out = False
+        if c is None:
             one = torch.ones((), dtype=torch.float32, device=a_e4.device)
             c = torch._scaled_mm(a_e4, b_e4.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=self.use_fast_accum)
             c = (c * a_s * b_s).to(out_dtype)
