@@ -357,3 +357,46 @@ def test_unpack_over_several_chunks(block_k):
             unpack_to_e4m3(direct["mx"], block_k=bad)
     with pytest.raises(ValueError, match="block_r"):
         unpack_to_e4m3(direct["mx"], block_r=12)
+
+
+def test_hopper_mm_nt_float32_output_and_its_fallback(monkeypatch):
+    """hopper_fp8's GEMM writes float32 through row-wise scales where torch allows it; where torch
+    refuses a float32 output with row-wise scales it applies the scales after a unit-scale GEMM
+    (the same values), remembers that, and any other error is raised. ``torch._scaled_mm`` is
+    emulated here (the CPU has no FP8 GEMM of this form)."""
+    from adahop.ops.kernel_backends import HopperFP8Backend
+
+    calls = []
+
+    def fake_scaled_mm(a, b, *, scale_a, scale_b, out_dtype, use_fast_accum, refuse=True):
+        rowwise = scale_a.dim() == 2
+        calls.append((rowwise, out_dtype))
+        if rowwise and out_dtype == torch.float32 and refuse:
+            raise RuntimeError("Only bf16 high precision output types are supported for row-wise scaling.")
+        return ((a.float() @ b.float()) * scale_a * scale_b).to(out_dtype)
+
+    monkeypatch.setattr(HopperFP8Backend, "rowwise_fp32_out", True)
+    backend = HopperFP8Backend()
+    x, w = make((48, 64), seed=3), make((40, 64), seed=4)
+    spec = OperandSpec(hadamard_size=32)
+    a, b = backend.quantize(x, 1, spec), backend.quantize(w, 1, spec)
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kw: fake_scaled_mm(*args, refuse=False, **kw))
+    direct = backend.mm_nt(a, b, torch.float32)
+    assert calls == [(True, torch.float32)]
+    monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
+    calls.clear()
+    fallback = backend.mm_nt(a, b, torch.float32)
+    assert calls == [(True, torch.float32), (False, torch.float32)] and not HopperFP8Backend.rowwise_fp32_out
+    assert torch.equal(direct, fallback)
+    calls.clear()
+    backend.mm_nt(a, b, torch.float32)  # remembered: straight to the unit-scale GEMM
+    assert calls == [(False, torch.float32)]
+
+    def broken(*args, **kw):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(HopperFP8Backend, "rowwise_fp32_out", True)
+    monkeypatch.setattr(torch, "_scaled_mm", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        backend.mm_nt(a, b, torch.float32)
+    assert HopperFP8Backend.rowwise_fp32_out

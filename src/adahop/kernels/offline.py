@@ -5,12 +5,14 @@ the Python of a kernel but compiles nothing: code the interpreter accepts can st
 compile for a GPU (``tl.multiple_of`` on a literal did, in session 10). This module is the check
 for that, without a GPU:
 
-``compile_launches(work)`` runs ``work()`` (host code: the library's kernel entry points on CPU
-tensors) with every ``FastLauncher`` launch replaced by a compilation for the target (sm_90,
-Hopper, by default, through PTX to a cubin with the ptxas that ships with Triton). The signature,
-constexprs and specializations come from the launch's own arguments by Triton's own binder, so it
-compiles what the same call would compile on that GPU. Outputs are left unwritten (the host code
-around the launches runs on uninitialised memory; only what is compiled matters).
+Inside ``with compile_launches():``, host code (the library's kernel entry points on CPU tensors,
+``library_launches``) runs with every ``FastLauncher`` launch replaced by a compilation for the
+target (sm_90, Hopper, by default, through PTX to a cubin with the ptxas that ships with Triton).
+The signature, constexprs and specializations come from the launch's own arguments through
+Triton's own binder, so it compiles what the same call would compile on that GPU. Outputs are
+left unwritten (the host code around the launches runs on uninitialised memory; only what is
+compiled matters). ``tl.dot_scaled``'s GEMM (``kernels.mx_gemm``) launches without
+``FastLauncher`` and is not covered: Hopper never runs it (``ops.backends``).
 
     python -m adahop.kernels.offline          # compile every launch of ``library_launches``
 

@@ -104,7 +104,7 @@ def _blocks(x, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_MODE: tl.cons
     ``amax_scale``: the blocks are those of ``x * amax_scale`` (x: a butterfly not yet times its
     norm, ``_transform(NORMED=False)``). Rounding is monotone, so the largest of the rounded
     products |x_i| * s is the rounded product of the largest |x_i|: amax(|x|) * s per block is
-    the block maximum of the normed values, bit for bit (NaN and Inf stay NaN and Inf: s < 1)."""
+    the block maximum of the normed values, bit for bit (NaN and Inf stay NaN and Inf; s <= 1)."""
     xb = tl.reshape(x, (BLOCK_R, BLOCK_K // 32, 32))
     # A maximum that propagates NaN (tl.max ignores it): NaN and Inf blocks both fail amax < inf.
     amax = tl.reduce(tl.abs(xb), 2, _max_nan) * amax_scale

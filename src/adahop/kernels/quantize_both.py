@@ -125,7 +125,8 @@ _QUANTIZE_BOTH = FastLauncher(_quantize_both_kernel)
 
 
 def quantize_both(x: torch.Tensor, along_cols: dict, along_rows: dict, *, rows_form: str = "e4m3",
-                  row_norms: bool = False, col_norms: bool = False, block_r: int | None = None, block_c: int | None = None, num_warps: int | None = None):
+                  row_norms: bool = False, col_norms: bool = False,
+                  block_r: int | None = None, block_c: int | None = None, num_warps: int | None = None):
     """Quantize 2-D ``x`` [R, C] along C (``along_cols``: the keywords of
     ``quantize_operand_triton`` for ``dim=1``) and along R (``along_rows``: for ``dim=0``).
     Returns two dicts, equal to ``quantize_operand_triton(x, 1, e4m3=True, packed=False,

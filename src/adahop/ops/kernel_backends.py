@@ -188,8 +188,8 @@ class HopperFP8Backend:
         if out_dtype == torch.bfloat16 or (out_dtype == torch.float32 and self.rowwise_fp32_out):
             try:
                 c = torch._scaled_mm(a_e4, b_e4.t(), scale_a=a_s, scale_b=b_s, out_dtype=out_dtype, use_fast_accum=self.use_fast_accum)
-            except RuntimeError:
-                if out_dtype == torch.bfloat16:
+            except RuntimeError as e:  # only torch's refusal of the output dtype; anything else is raised
+                if out_dtype == torch.bfloat16 or isinstance(e, torch.OutOfMemoryError) or "supported" not in str(e):
                     raise
                 # Row-wise scales with a float32 output are cuBLAS's (sm_90, CUDA >= 12.9);
                 # torch's CUTLASS path (sm_89, older CUDA) refuses them: the same GEMM below,
