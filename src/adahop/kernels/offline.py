@@ -52,8 +52,8 @@ def compile_for_target(fn, args, kwargs, target):
 @contextmanager
 def compile_launches(arch: int = 90):
     """Within the block, ``FastLauncher`` launches compile for CUDA ``sm_<arch>`` instead of
-    running; yields the list of ``(kernel name, constexprs, seconds)`` compiled (each distinct
-    compilation once)."""
+    running; yields the list of ``(kernel name, constexprs, seconds, compiled kernel)`` (each
+    distinct compilation once; ``benchmarks/sass_count.py`` reads the kernels' SASS)."""
     from triton.backends.compiler import GPUTarget
 
     from adahop.kernels.launch import INTERPRETED, FastLauncher
@@ -69,8 +69,8 @@ def compile_launches(arch: int = 90):
         if key not in seen:
             seen.add(key)
             t0 = time.perf_counter()
-            build()
-            done.append((self.fn.__name__, {k: v for k, v in kw.items() if k[0].isupper()}, time.perf_counter() - t0))
+            compiled = build()
+            done.append((self.fn.__name__, {k: v for k, v in kw.items() if k[0].isupper()}, time.perf_counter() - t0, compiled))
 
     real = FastLauncher.launch
     FastLauncher.launch = launch
@@ -120,7 +120,7 @@ def main(archs=(90, 89)) -> int:
         t0 = time.perf_counter()
         with compile_launches(arch) as done:
             library_launches()
-        for name, meta, seconds in done:
+        for name, meta, seconds, _ in done:
             print(f"{seconds:6.1f} s  {name}  sm_{arch}  {meta}")
         print(f"compiled {len(done)} kernels for sm_{arch} in {time.perf_counter() - t0:.0f} s")
         total += len(done)
