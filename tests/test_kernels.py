@@ -63,6 +63,43 @@ def test_quantize_kernel_bit_exact(shape, dim, h, signs, mode, rounding, dtype):
     assert_same_mx(got, ref)
 
 
+def _bf16_rounding_cases(seed=0):
+    """float32 values whose bfloat16 rounding is every kind of case: ties (half an ulp above a
+    bfloat16, both parities), subnormals, values that round to Inf, NaN, Inf, signed zero."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(40, 96, generator=g) * torch.exp(torch.randn(40, 1, generator=g) * 3)
+    b = torch.randn(8, 96, generator=g).to(torch.bfloat16)
+    x[:8] = ((b.view(torch.int16).to(torch.int32) << 16) | 0x8000).view(torch.float32)
+    x[8:11] = torch.randn(3, 96, generator=g) * 1e-39  # subnormal in float32 and bfloat16
+    x[11, 3], x[12, 5], x[13, 7], x[13, 8] = float("nan"), float("inf"), 3.3999e38, -3.3999e38
+    x[14] = -0.0
+    return x
+
+
+@pytest.mark.parametrize("dim,e4m3,kw", [
+    (1, False, dict(hadamard_size=32)), (0, True, dict(hadamard_size=32, rounding="sr", sr_seed=4)),
+    (1, True, dict(single_chunk_max=0)), (1, True, dict(hadamard_size=16, single_chunk_max=4096)),
+])
+def test_round_to_bf16_in_the_loads_equals_the_cast(dim, e4m3, kw):
+    """``round_to_bf16`` on a float32 operand gives the bits of quantizing ``x.to(bfloat16)``: the
+    packed form against the reference, the e4m3 form against the kernel on the cast copy (the
+    interpreter's bfloat16 loads mangle subnormals, so that comparison leaves them out)."""
+    x = _bf16_rounding_cases().to(DEVICE)
+    out = quantize_operand_triton(x, dim, round_to_bf16=True, packed=not e4m3, e4m3=e4m3, **kw)
+    if not e4m3:
+        spec = OperandSpec(hadamard_size=kw.get("hadamard_size"))
+        assert_same_mx(out["mx"], quantize_operand(x.to(torch.bfloat16), dim, spec))
+        return
+    if DEVICE == "cpu":
+        x = torch.cat((x[:8], x[11:]))
+        out = quantize_operand_triton(x, dim, round_to_bf16=True, packed=False, e4m3=True, **kw)
+    want = quantize_operand_triton(x.to(torch.bfloat16), dim, packed=False, e4m3=True, **kw)
+    assert torch.equal(out["e4m3"].view(torch.uint8), want["e4m3"].view(torch.uint8))
+    assert torch.equal(out["row_scale"], want["row_scale"])
+    with pytest.raises(ValueError, match="float32"):
+        quantize_operand_triton(x.to(torch.bfloat16), dim, round_to_bf16=True)
+
+
 @pytest.mark.parametrize("sr_seed,signs_seed,big_keys", [(2, 3, (True, False)), (3, 2, (False, True)), (7, 8, (True, True))])
 def test_hash_keys_of_either_sign_as_int32(sr_seed, signs_seed, big_keys):
     """The SR and sign keys reach the kernel as int32 (one compiled kernel for every key): keys
@@ -195,9 +232,12 @@ def _run(layer, x, g):
         ("adahop_lv1", {"fprop": "iht+oe_right", "dgrad": "iht+oe_left", "wgrad": "iht"}),
     ],
 )
-def test_linear_on_triton_backend_equals_reference(recipe, modes):
+@pytest.mark.parametrize("autocast", [False, True])
+def test_linear_on_triton_backend_equals_reference(recipe, modes, autocast):
     """The whole layer (all three GEMMs, SR, OE) on the Triton kernels gives the reference's
-    bits: the kernel backend skips OE's zeroing, which cannot change the result."""
+    bits: the kernel backend skips OE's zeroing, which cannot change the result. Under bf16
+    autocast the float32 weight of a plain mode is rounded to bf16 in the quantize kernel's
+    loads, where the reference casts it first."""
     T, K, N = 40, 64, 48
     x, w, g = make((T, K), seed=1), make((N, K), seed=2, outliers=False) * 0.1, make((T, N), seed=3)
     outs = []
@@ -208,7 +248,8 @@ def test_linear_on_triton_backend_equals_reference(recipe, modes):
         layer = adahop.AdaHOPLinear.from_float(lin, config=cfg, name="probe")
         if modes:
             layer.set_modes(modes)
-        outs.append(_run(layer, x, g))
+        with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16, enabled=autocast):
+            outs.append(_run(layer, x, g if not autocast else g.to(torch.bfloat16)))
     for ref, got in zip(outs[0], outs[1]):
         assert torch.equal(ref, got)
     assert not math.isnan(outs[0][0].sum().item())

@@ -232,3 +232,24 @@ def test_backend_quantize_both_row_norms():
     assert none is None
     assert torch.equal(a.e4m3.view(torch.uint8), a0.e4m3.view(torch.uint8))
     assert torch.equal(b.e4m3.view(torch.uint8), b0.e4m3.view(torch.uint8))
+
+
+@pytest.mark.parametrize("with_b", [True, False])
+def test_row_maxima_of_partials(with_b):
+    """The reduction between the two phases, over more partials than one step loads (16) and
+    row counts that are not multiples of its 128 rows: each row's largest byte 0."""
+    from adahop.kernels.quantize_both import _row_maxima
+
+    g = torch.Generator().manual_seed(3)
+    parta = torch.randint(0, 256, (37, 300, 16), generator=g, dtype=torch.uint8).to(DEVICE)
+    partb = torch.randint(0, 256, (5, 130, 16), generator=g, dtype=torch.uint8).to(DEVICE)
+    partb[:, 7, 0] = 0  # a row whose every partial is the smallest byte
+    emaxa = torch.full((300,), 7, dtype=torch.uint8, device=DEVICE)
+    emaxb = torch.full((130,), 7, dtype=torch.uint8, device=DEVICE)
+    _row_maxima(parta, emaxa, partb if with_b else None, emaxb if with_b else None)
+    assert torch.equal(emaxa, parta[:, :, 0].amax(0))
+    if with_b:
+        assert torch.equal(emaxb, partb[:, :, 0].amax(0))
+        assert emaxb[7] == 0
+    else:
+        assert (emaxb == 7).all()  # untouched

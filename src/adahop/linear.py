@@ -89,7 +89,14 @@ class LayerPlan:
     needs_backward: bool = True  # False under no_grad / inference: nothing is saved for wgrad
 
 
-def _mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=None, b_cols_hp=None, b_cols_idx=None, a_q=None, a_norms=None, out_dtype):
+# GEMM modes whose B operand is only quantized (no high-precision slice of it, no selection by
+# its norms): there the layer's weight (float32 under autocast) goes to the quantize kernel as it
+# is, with ``cast_to`` the compute dtype, and is rounded in the kernel's loads (``kernels.quantize``,
+# ``round_to_bf16``) instead of a cast kernel writing a bf16 copy that the quantize kernel reads.
+PLAIN_MODES = ("mxfp4", "iht")
+
+
+def _mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=None, b_cols_hp=None, b_cols_idx=None, a_q=None, a_norms=None, b_cast_to=None, out_dtype):
     """C = A @ B with A given as 2-D ``a`` (contraction along ``a_dim``) and B's transpose as 2-D
     ``b`` (contraction along ``b_dim``): the NT form. OE slices are chosen, zeroed, computed in
     high precision and written over the MXFP4 result (whose zeroed slices are exactly 0).
@@ -97,7 +104,8 @@ def _mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=
     ``a_hp(rows)`` / ``b_hp`` give the high-precision matrices for OE; for wgrad's OE-right the
     saved columns come in ``b_cols_hp`` with their indices ``b_cols_idx``. ``a_q``: A already
     quantized (the backward's gradient: both orientations come from one kernel); ``a_norms``: the
-    L2 norms of A's rows, if that kernel summed them (for OE-left)."""
+    L2 norms of A's rows, if that kernel summed them (for OE-left); ``b_cast_to``: B is
+    ``b.to(b_cast_to)`` (a plain mode's weight, cast by the quantize kernel)."""
     rows_idx = cols_idx = None
     if plan.mode == "iht+oe_left":
         rows_idx = backend.select_outer(a, 1 - a_dim, plan.oe_k, norms=a_norms)
@@ -106,7 +114,7 @@ def _mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=
     if a_q is None:
         a_q = backend.quantize(a, a_dim, plan.a, zero_outer=rows_idx)
     # B may be the packed operand the forward saved (wgrad's x); mm_nt takes it as it is.
-    b_q = b if isinstance(b, MXFP4Tensor) else backend.quantize(b, b_dim, plan.b, zero_outer=cols_idx)
+    b_q = b if isinstance(b, MXFP4Tensor) else backend.quantize(b, b_dim, plan.b, zero_outer=cols_idx, cast_to=b_cast_to)
     c = backend.mm_nt(a_q, b_q, out_dtype)
     # The high-precision slices are GEMMs in the operands' dtype (bf16 under autocast), written
     # into C in C's dtype (wgrad's C is the parameter's, float32: see the backward).
@@ -123,14 +131,16 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TK, weight, plan: LayerPlan):
         # The parameter itself is saved and cast again in the backward: saving the cast copy
-        # (bf16 under autocast) would hold 2 bytes per weight for the whole step.
-        w_NK = weight.to(x_TK.dtype)
+        # (bf16 under autocast) would hold 2 bytes per weight for the whole step. A plain fprop
+        # mode casts it in its quantize kernel (PLAIN_MODES); the others use a cast copy.
+        fp, wg = plan.fprop, plan.wgrad
+        cast_in_kernel = plan.layer is None and fp.mode in PLAIN_MODES
+        w_NK = weight if cast_in_kernel else weight.to(x_TK.dtype)
         backend = plan.backend
         if plan.layer is not None:
             plan.layer._observe("x", x_TK)
             plan.layer._observe("w", w_NK)
 
-        fp, wg = plan.fprop, plan.wgrad
         x_fprop = x_saved = x_col_norms = None
         if (fp.quantized and wg.quantized and plan.needs_backward
                 and getattr(backend, "quantize_and_pack", None) is not None):
@@ -150,6 +160,7 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
                 a_hp=lambda idx: x_TK if idx is None else x_TK[idx],
                 b_hp=lambda: w_NK.t(),
                 a_q=x_fprop,
+                b_cast_to=x_TK.dtype if cast_in_kernel else None,
                 out_dtype=x_TK.dtype,
             )
             x_fprop = None  # freed
@@ -184,7 +195,6 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
         g_TN = g_TN.contiguous()
         saved = list(ctx.saved_tensors)
         weight = saved.pop(0)
-        w_NK = weight.to(g_TN.dtype)
         if plan.layer is not None:
             plan.layer._observe("g", g_TN)
         dx_TK = dw_NK = None
@@ -201,6 +211,8 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
         # along N), B = w (columns: input features, quantized along N = dim 0 of w).
         if ctx.needs_input_grad[0]:
             dg = plan.dgrad
+            cast_in_kernel = dg.mode in PLAIN_MODES  # as in the forward
+            w_NK = weight if cast_in_kernel else weight.to(g_TN.dtype)
             if not dg.quantized:
                 dx_TK = g_TN @ w_NK
             else:
@@ -210,6 +222,7 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
                     b_hp=lambda: w_NK,
                     a_q=g_dgrad,
                     a_norms=g_row_norms,
+                    b_cast_to=g_TN.dtype if cast_in_kernel else None,
                     out_dtype=g_TN.dtype,
                 )
                 g_dgrad = None  # freed before wgrad

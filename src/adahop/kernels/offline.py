@@ -83,7 +83,7 @@ def compile_launches(arch: int = 90):
 def library_launches() -> None:
     """The kernel entry points on small CPU operands that take every launch variant the layer
     uses: one chunk per row and two passes, split K ranges, packed / e4m3 / both, RNE / SR,
-    signs, every scale mode, both orientations from one kernel (with and without the norms of
+    signs, every scale mode, float32 rounded to bf16 in the loads, both orientations from one kernel (with and without the norms of
     outlier extraction), unpack, top-k (in registers and re-read)."""
     from adahop.kernels.quantize import quantize_operand_triton
     from adahop.kernels.quantize_both import quantize_both
@@ -100,6 +100,9 @@ def library_launches() -> None:
     quantize_operand_triton(x, 0, hadamard_size=32, **sr)  # along dim 0 (strided view)
     quantize_operand_triton(x, 1, hadamard_size=32, e4m3=True, packed=False, k_splits=2)
     quantize_operand_triton(x, 1, e4m3=True, packed=False)  # no Hadamard
+    w = x.float()  # a float32 weight rounded to bf16 in the loads (both passes, both orientations)
+    quantize_operand_triton(w, 1, hadamard_size=32, e4m3=True, packed=False, round_to_bf16=True)
+    quantize_operand_triton(w, 0, hadamard_size=32, e4m3=True, packed=False, round_to_bf16=True)
     for mode in ("floor", "ceil", "rceil"):
         quantize_operand_triton(small, 1, hadamard_size=32, scale_mode=mode, signs_seed=3)
     iht = dict(hadamard_size=32)

@@ -55,16 +55,41 @@ from adahop.kernels.mxfp4_math import (
 from adahop.transforms.hadamard import HADAMARD_NORM
 
 
+INTERPRETED_JIT: tl.constexpr = tl.constexpr(INTERPRETED)
+
+
+@triton.jit
+def _round_to_bf16(x, BY_CAST: tl.constexpr):
+    """float32 ``x`` rounded to bfloat16 (round to nearest, ties to even; NaN stays NaN; past
+    bfloat16's largest value, Inf), as float32: torch's ``x.to(torch.bfloat16)``. Compiled, one
+    ``cvt.rn`` per pair; the interpreter truncates in its casts (Triton 3.6 ignores
+    ``fp_downcast_rounding`` there), so it takes the same rounding on the bits: add half an ulp
+    of bfloat16 (less one, plus the kept lowest bit: ties go to even) and clear the 16 low
+    bits. A carry into the exponent is the correct rounding up, to Inf at the top."""
+    if BY_CAST:
+        return x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+
+
 @triton.jit
 def _load_transform(
     x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
-    FWHT_INPLACE: tl.constexpr, NORMED: tl.constexpr = True,
+    FWHT_INPLACE: tl.constexpr, NORMED: tl.constexpr = True, ROUND_BF16: tl.constexpr = False,
 ):
+    """Load a ``[BLOCK_R, BLOCK_K]`` chunk as float32 and transform it. ``ROUND_BF16``: x is
+    float32 and the operand is ``x.to(torch.bfloat16)``: each value is rounded to bfloat16 as it
+    is loaded (round to nearest even, as torch's cast; NaN stays NaN, values past bfloat16's range
+    become Inf), so a float32 master weight is quantized without a cast kernel writing and this
+    kernel reading a bfloat16 copy."""
     cols = k0 + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < R) & (cols[None, :] < K)
     ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_k
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if ROUND_BF16:
+        x = _round_to_bf16(x, not INTERPRETED_JIT)
     return _transform(x, cols, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE, NORMED)
 
 
@@ -241,7 +266,7 @@ def _mxfp4_quantize_kernel(
     SCALE_MODE: tl.constexpr, SR: tl.constexpr, SINGLE_CHUNK: tl.constexpr,
     WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr, WRITE_SUMSQ: tl.constexpr,
     NAN_BY_CAST: tl.constexpr, FWHT_INPLACE: tl.constexpr, ARITH_E2M1: tl.constexpr,
-    PHASE: tl.constexpr,
+    PHASE: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
     """Program (i, s) owns rows [i * BLOCK_R, (i + 1) * BLOCK_R) and the K range
     [s * SPLIT_K, (s + 1) * SPLIT_K) (SPLIT_K = KP: one range per row). PHASE 0 does everything
@@ -256,7 +281,7 @@ def _mxfp4_quantize_kernel(
     k_hi = tl.minimum(k_lo + SPLIT_K, KP)
 
     if SINGLE_CHUNK:  # the whole (padded) row fits one chunk: one read, one transform
-        x = _load_transform(x_ptr, stride_r, stride_k, rows, 0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE)
+        x = _load_transform(x_ptr, stride_r, stride_k, rows, 0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE, True, ROUND_BF16)
         e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
         e_rowmax = tl.max(tl.where(finite, e, -127), axis=1)
         if WRITE_E4M3:
@@ -268,7 +293,7 @@ def _mxfp4_quantize_kernel(
     elif PHASE == 1:  # largest block exponent of this K range, for PHASE 2
         e_part = tl.full((BLOCK_R,), -127, tl.int32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE, False)
+            x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE, False, ROUND_BF16)
             e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE, norm)
             e_part = tl.maximum(e_part, tl.max(tl.where(finite, e, -127), axis=1))
             _store_row_exponent(epart_ptr + sid * R * 16, e_part, e, rows, row_ok, k0 + BLOCK_K >= k_hi, BLOCK_R, BLOCK_K)
@@ -280,7 +305,7 @@ def _mxfp4_quantize_kernel(
             tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok & (sid == 0))
         sumsq = tl.zeros((BLOCK_R,), tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE)
+            x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE, True, ROUND_BF16)
             if WRITE_SUMSQ:
                 sumsq += tl.sum(x * x, axis=1)
             e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
@@ -391,16 +416,22 @@ def quantize_operand_triton(
     fwht_inplace: bool | None = None,
     arith_e2m1: bool | None = None,
     k_splits: int | None = None,
+    round_to_bf16: bool = False,
 ):
     """Quantize 2-D ``x`` along ``dim`` with the fused kernel. Returns a dict with, as asked,
     ``"mx"`` (MXFP4Tensor), ``"e4m3"`` ([R, KP] float8_e4m3fn), ``"row_scale"`` ([R] float32)
     and ``"sumsq"`` ([R] float32); R = the other dim.
+
+    ``round_to_bf16``: quantize ``x.to(torch.bfloat16)`` for a float32 ``x``, rounding in the
+    kernel's loads (the same bits as the cast, without its pass over x).
 
     ``k_splits``: programs per row group along K (None: enough to fill the GPU, see
     ``auto_k_splits``; 1 on the CPU). Splitting changes nothing in the result but the order of
     ``sumsq``'s float additions."""
     if x.dim() != 2:
         raise ValueError(f"quantize_operand_triton takes a 2-D operand, got shape {tuple(x.shape)}")
+    if round_to_bf16 and x.dtype != torch.float32:
+        raise ValueError(f"round_to_bf16 takes a float32 operand, got {x.dtype}")
     dim = dim % 2
     cfg = launch_config(dim, e4m3)
     block_r = cfg["block_r"] if block_r is None else block_r
@@ -454,7 +485,7 @@ def quantize_operand_triton(
         SCALE_MODE=op["scale_mode"], SR=op["sr"], SINGLE_CHUNK=single,
         WRITE_PACKED=packed, WRITE_E4M3=e4m3, WRITE_SUMSQ=sumsq,
         NAN_BY_CAST=not INTERPRETED,
-        FWHT_INPLACE=fwht_inplace, ARITH_E2M1=arith_e2m1,
+        FWHT_INPLACE=fwht_inplace, ARITH_E2M1=arith_e2m1, ROUND_BF16=round_to_bf16,
         num_warps=num_warps,
     )
     if KP == 0:  # no blocks, nothing to launch: an empty row's largest exponent is -127

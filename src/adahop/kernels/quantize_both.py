@@ -12,8 +12,8 @@ R. Two launches, as the one-orientation form:
 * PHASE 1 writes, for every tile, each row's largest block exponent of either orientation
   (``[tiles along C, R, 16]`` and ``[tiles along R, C, 16]`` uint8, the 16-byte store of
   ``kernels.quantize``: 16 bytes per row and tile, a quarter of a byte per element with 64-wide
-  tiles, which is a quarter more traffic than g's reads in this pass); torch reduces those to
-  each row's maximum;
+  tiles, which is a quarter more traffic than g's reads in this pass); one small launch
+  (``_partial_max_kernel``) reduces those of both orientations to each row's maximum;
 * PHASE 2 reads the tile again and emits both e4m3 forms and row scales.
 
 (An atomic max into one int32 per row, in place of the partial maxima and their reductions, made
@@ -124,6 +124,53 @@ def _quantize_both_kernel(
 _QUANTIZE_BOTH = FastLauncher(_quantize_both_kernel)
 
 
+@triton.jit
+def _partial_max(part_ptr, out_ptr, n_parts, R, pid, BLOCK: tl.constexpr, PARTS: tl.constexpr):
+    """out[r] = max over p of part[p, r, 0] for this program's BLOCK rows (uint8, biased
+    exponents: the maximum of the biased bytes is the biased maximum)."""
+    rows = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < R
+    m = tl.zeros((BLOCK,), tl.int32)
+    for p0 in range(0, n_parts, PARTS):
+        p = p0 + tl.arange(0, PARTS)
+        offs = (p[:, None].to(tl.int64) * R + rows[None, :]) * 16
+        v = tl.load(part_ptr + offs, mask=(p[:, None] < n_parts) & ok[None, :], other=0)
+        m = tl.maximum(m, tl.max(v.to(tl.int32), axis=0))
+    tl.store(out_ptr + rows, m.to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _partial_max_kernel(pa_ptr, oa_ptr, na, Ra, pb_ptr, ob_ptr, nb, Rb, programs_a,
+                        BLOCK: tl.constexpr, PARTS: tl.constexpr, HAS_B: tl.constexpr):
+    """Each row's largest exponent from PHASE 1's partials, for orientation A (programs below
+    ``programs_a``) and, with ``HAS_B``, orientation B (the others): one launch for both, in
+    place of a ``torch.amax`` per orientation over a byte-strided view (which read these bytes at
+    about half the bandwidth: 0.067 ms for the three reductions of a (14336, 4096) layer's x
+    and g on the H200, session 10)."""
+    pid = tl.program_id(0)
+    if HAS_B and pid >= programs_a:
+        _partial_max(pb_ptr, ob_ptr, nb, Rb, pid - programs_a, BLOCK, PARTS)
+    else:
+        _partial_max(pa_ptr, oa_ptr, na, Ra, pid, BLOCK, PARTS)
+
+
+_PARTIAL_MAX = FastLauncher(_partial_max_kernel)
+PARTIAL_MAX_ROWS = 128  # rows per program of the reduction
+PARTIAL_MAX_PARTS = 16  # partials loaded per step
+
+
+def _row_maxima(parta, emaxa, partb=None, emaxb=None) -> None:
+    """``emaxa[r] = parta[:, r, 0].max()`` (and the same for B when given), in one launch."""
+    n_a, R_a = parta.shape[0], parta.shape[1]
+    programs_a = cdiv(R_a, PARTIAL_MAX_ROWS)
+    has_b = partb is not None
+    n_b, R_b = (partb.shape[0], partb.shape[1]) if has_b else (0, 0)
+    grid = (programs_a + cdiv(R_b, PARTIAL_MAX_ROWS),)
+    _PARTIAL_MAX[grid](parta, emaxa, n_a, R_a, partb if has_b else parta, emaxb if has_b else emaxa,
+                       n_b, R_b, programs_a, BLOCK=PARTIAL_MAX_ROWS, PARTS=PARTIAL_MAX_PARTS,
+                       HAS_B=has_b, num_warps=4)
+
+
 def quantize_both(x: torch.Tensor, along_cols: dict, along_rows: dict, *, rows_form: str = "e4m3",
                   row_norms: bool = False, col_norms: bool = False,
                   block_r: int | None = None, block_c: int | None = None, num_warps: int | None = None):
@@ -203,9 +250,7 @@ def quantize_both(x: torch.Tensor, along_cols: dict, along_rows: dict, *, rows_f
         NAN_BY_CAST=not INTERPRETED, B_PACKED=packed, num_warps=num_warps,
     )
     _QUANTIZE_BOTH[grid](*args, PHASE=1, SUMSQ_A=row_norms, SUMSQ_B=col_norms, **meta)
-    torch.amax(parta[:, :, 0], dim=0, out=emaxa)
-    if not packed:
-        torch.amax(partb[:, :, 0], dim=0, out=emaxb)
+    _row_maxima(parta, emaxa, None if packed else partb, None if packed else emaxb)
     _QUANTIZE_BOTH[grid](*args, PHASE=2, SUMSQ_A=False, SUMSQ_B=False, **meta)
     if row_norms:
         out_a["norms"] = ssa.sum(0).sqrt_()

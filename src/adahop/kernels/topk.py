@@ -39,47 +39,51 @@ def _order_key(v):
 
 @triton.jit
 def _load_keys(v_ptr, start, n, BLOCK: tl.constexpr):
+    """The order keys of values [start, start + BLOCK); 0 past n. Every value's key is at least 1
+    (a key of 0 would be the bits 0xFFFFFFFF, a NaN, whose key is 0xFFFFFFFF), and every
+    candidate threshold is at least 1, so no mask has to be carried along: padding never counts,
+    never ties and is never taken (fewer live registers: the keys alone)."""
     offs = start + tl.arange(0, BLOCK)
-    valid = offs < n
-    v = tl.load(v_ptr + offs, mask=valid, other=0.0)
-    return _order_key(v), valid, offs
+    v = tl.load(v_ptr + offs, mask=offs < n, other=0.0)
+    return tl.where(offs < n, _order_key(v), 0)
 
 
 @triton.jit
 def _topk_kernel(v_ptr, out_ptr, n, k, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
     if ONE_BLOCK:
-        key, valid, offs = _load_keys(v_ptr, 0, n, BLOCK)
+        key = _load_keys(v_ptr, 0, n, BLOCK)
     thr = tl.full((), 0, tl.uint32)
     bit = tl.full((), 0x80000000, tl.uint32)
     for _ in range(32):
         cand = thr | bit
         bit = bit >> 1
         if ONE_BLOCK:
-            count = tl.sum(((key >= cand) & valid).to(tl.int32), axis=0)
+            count = tl.sum((key >= cand).to(tl.int32), axis=0)
         else:
             count = 0
             for start in range(0, n, BLOCK):
-                key, valid, offs = _load_keys(v_ptr, start, n, BLOCK)
-                count += tl.sum(((key >= cand) & valid).to(tl.int32), axis=0)
+                key = _load_keys(v_ptr, start, n, BLOCK)
+                count += tl.sum((key >= cand).to(tl.int32), axis=0)
         thr = tl.where(count >= k, cand, thr)
-    # thr is the k-th largest key: take every key above it and the first ties.
+    # thr is the k-th largest key (>= 1, as k <= n): take every key above it and the first ties.
     if ONE_BLOCK:
-        n_above = tl.sum(((key > thr) & valid).to(tl.int32), axis=0)
+        n_above = tl.sum((key > thr).to(tl.int32), axis=0)
     else:
         n_above = 0
         for start in range(0, n, BLOCK):
-            key, valid, offs = _load_keys(v_ptr, start, n, BLOCK)
-            n_above += tl.sum(((key > thr) & valid).to(tl.int32), axis=0)
+            key = _load_keys(v_ptr, start, n, BLOCK)
+            n_above += tl.sum((key > thr).to(tl.int32), axis=0)
     ties_wanted = k - n_above
     written = 0
     ties_seen = 0
     for start in range(0, n, BLOCK):
         if not ONE_BLOCK:
-            key, valid, offs = _load_keys(v_ptr, start, n, BLOCK)
-        tie = (key == thr) & valid
+            key = _load_keys(v_ptr, start, n, BLOCK)
+        tie = key == thr
         tie_rank = tl.cumsum(tie.to(tl.int32), axis=0) + ties_seen  # 1-based among all ties
-        sel = ((key > thr) & valid) | (tie & (tie_rank <= ties_wanted))
+        sel = (key > thr) | (tie & (tie_rank <= ties_wanted))
         pos = written + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        offs = start + tl.arange(0, BLOCK)
         tl.store(out_ptr + pos, offs.to(tl.int64), mask=sel)
         written += tl.sum(sel.to(tl.int32), axis=0)
         ties_seen += tl.sum(tie.to(tl.int32), axis=0)

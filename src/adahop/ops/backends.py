@@ -2,10 +2,13 @@
 
 A backend has three operations, all in the NT form of ``ops.operand``:
 
-* ``quantize(x, dim, spec, zero_outer=None)``: a 2-D operand along its contraction dim ``dim``,
-  in whatever form the backend's GEMM consumes; ``zero_outer`` (int64 indices of outer slices
-  that outlier extraction computes in high precision) may be zeroed first; the reference does,
-  which is the paper's description; a backend may skip it (see ``kernel_backends``);
+* ``quantize(x, dim, spec, zero_outer=None, cast_to=None)``: a 2-D operand along its
+  contraction dim ``dim``, in whatever form the backend's GEMM consumes; ``zero_outer`` (int64
+  indices of outer slices that outlier extraction computes in high precision) may be zeroed
+  first; the reference does, which is the paper's description; a backend may skip it (see
+  ``kernel_backends``); ``cast_to``: the operand is ``x.to(cast_to)`` (the layer's float32
+  weight under bf16 autocast: the Triton backends round it in the kernel's loads instead of
+  writing a cast copy);
 * ``quantize_packed(...)``: the same as an ``MXFP4Tensor`` (packed 4-bit: what is saved for the
   backward);
 * ``mm_nt(a, b, out_dtype)``: ``C[M, N] = A[M, K] @ B[N, K]^T`` with fp32 accumulation; ``a``/``b``
@@ -56,9 +59,12 @@ class ReferenceBackend:
         dim: int,
         spec: OperandSpec,
         zero_outer: torch.Tensor | None = None,
+        cast_to: torch.dtype | None = None,
     ) -> MXFP4Tensor:
         if x.dim() != 2:
             raise ValueError(f"GEMM operands are 2-D, got shape {tuple(x.shape)}")
+        if cast_to is not None:
+            x = x.to(cast_to)
         if zero_outer is not None and zero_outer.numel():
             x = x.index_fill(1 - dim % 2, zero_outer, 0)
         return quantize_operand(x, dim, spec)

@@ -63,6 +63,17 @@ def _check(x: torch.Tensor, spec: OperandSpec) -> None:
         raise ValueError(f"the Triton kernels implement MX blocks of 32, got {spec.block_size}")
 
 
+def _cast_args(x: torch.Tensor, cast_to: torch.dtype | None) -> tuple[torch.Tensor, dict]:
+    """The operand ``x.to(cast_to)`` as the kernel takes it: float32 to bfloat16 is rounded in
+    the kernel's loads (``round_to_bf16``: no cast copy written and read again), any other cast
+    is made first."""
+    if cast_to is None or cast_to == x.dtype:
+        return x, {}
+    if x.dtype == torch.float32 and cast_to == torch.bfloat16:
+        return x, {"round_to_bf16": True}
+    return x.to(cast_to), {}
+
+
 def select_outer(t: torch.Tensor, outer_dim: int, k: int, norms: torch.Tensor | None = None) -> torch.Tensor:
     """``ops.outliers.topk_outer`` with the selection in one Triton launch; ``norms``: the outer
     slices' L2 norms where a quantize kernel already computed them."""
@@ -77,14 +88,15 @@ class TritonBackend:
     name = "triton"
     select_outer = staticmethod(select_outer)
 
-    def quantize(self, x, dim, spec: OperandSpec, zero_outer=None) -> MXFP4Tensor:
-        return self.quantize_packed(x, dim, spec, zero_outer)
+    def quantize(self, x, dim, spec: OperandSpec, zero_outer=None, cast_to=None) -> MXFP4Tensor:
+        return self.quantize_packed(x, dim, spec, zero_outer, cast_to)
 
-    def quantize_packed(self, x, dim, spec: OperandSpec, zero_outer=None) -> MXFP4Tensor:
+    def quantize_packed(self, x, dim, spec: OperandSpec, zero_outer=None, cast_to=None) -> MXFP4Tensor:
         from adahop.kernels.quantize import quantize_operand_triton
 
         _check(x, spec)
-        return quantize_operand_triton(x, dim, **_kernel_args(spec))["mx"]
+        x, cast = _cast_args(x, cast_to)
+        return quantize_operand_triton(x, dim, **_kernel_args(spec), **cast)["mx"]
 
     def mm_nt(self, a: MXFP4Tensor, b: MXFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         a_f32 = dequantize_mxfp4(a, keep_padding=True)
@@ -118,11 +130,12 @@ class HopperFP8Backend:
     def __init__(self, use_fast_accum: bool = False):
         self.use_fast_accum = use_fast_accum
 
-    def quantize(self, x, dim, spec: OperandSpec, zero_outer=None) -> E4M3Operand:
+    def quantize(self, x, dim, spec: OperandSpec, zero_outer=None, cast_to=None) -> E4M3Operand:
         from adahop.kernels.quantize import quantize_operand_triton
 
         _check(x, spec)
-        out = quantize_operand_triton(x, dim, packed=False, e4m3=True, **_kernel_args(spec))
+        x, cast = _cast_args(x, cast_to)
+        out = quantize_operand_triton(x, dim, packed=False, e4m3=True, **_kernel_args(spec), **cast)
         return E4M3Operand(out["e4m3"], out["row_scale"])
 
     quantize_packed = TritonBackend.quantize_packed
