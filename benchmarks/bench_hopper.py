@@ -18,7 +18,8 @@
    oe:     outlier extraction's parts per shape: the norms; the selection (torch.topk + sort,
            the reference's stable sort, kernels.topk); the high-precision slice GEMMs in two
            layouts; the writes of the slices into the output.
-4. linear: AdaHOPLinear forward + backward per recipe vs BF16 ``nn.Linear`` at T = 16384, and the
+4. linear: AdaHOPLinear forward + backward per recipe vs BF16 ``nn.Linear`` at T = 16384 (each
+           ratio from ``--pairs`` alternating timings of BF16 and the recipe), and the
            same recipes on the reference backend (fake-quant emulation, what FP4 libraries do on
            Hopper).
    torchao: torchao float8 rowwise and tensorwise (compiled), with the AdaHOP recipes in the
@@ -40,6 +41,7 @@ import json
 import os
 import sys
 import platform
+import statistics
 import time
 import traceback
 
@@ -435,33 +437,49 @@ def linear_case(N, K):
     return x, g, bench(fwd_bwd_fn(make_layer("bf16_nn", N, K, None), x, g))
 
 
-def section_linear(res, recipes, shapes, with_reference, with_torchao):
+def paired_speedup(base_fn, fn, pairs, rep=100):
+    """BF16's time over ``fn``'s, from ``pairs`` alternating timings of the two (the H200's BF16
+    time moved by up to 7% between runs of one session: clocks under its power limit), as the
+    ratio of the two medians; with every timing, for the record."""
+    t_base, t = [], []
+    for _ in range(pairs):
+        t_base.append(bench(base_fn, rep=rep))
+        t.append(bench(fn, rep=rep))
+    return statistics.median(t_base) / statistics.median(t), t_base, t
+
+
+def section_linear(res, recipes, shapes, with_reference, with_torchao, pairs=3):
     rows = []
     for N, K in shapes:
         x, g, base = linear_case(N, K)
-        row = {"shape": (N, K), "bf16_ms": base}
-        for recipe in recipes:
-            layer = make_layer(recipe, N, K, "hopper_fp8")
-            row[recipe] = base / bench(fwd_bwd_fn(layer, x, g))
+        base_fn = fwd_bwd_fn(make_layer("bf16_nn", N, K, None), x, g)
+        row = {"shape": (N, K), "bf16_ms": base, "pairs": pairs, "times_ms": {}}
+        variants = [(recipe, lambda recipe=recipe: make_layer(recipe, N, K, "hopper_fp8")) for recipe in recipes]
+        if with_torchao:
+            try:
+                from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+                def torchao_layer(rname):
+                    m = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False, device="cuda"))
+                    convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(rname))
+                    return torch.compile(m)
+
+                variants += [(f"torchao_{r}", lambda r=r: torchao_layer(r)) for r in ("rowwise", "tensorwise")]
+            except Exception as e:
+                row["torchao"] = f"unavailable: {type(e).__name__}: {e}"[:200]
+        for name, make in variants:
+            try:
+                ratio, t_base, t = paired_speedup(base_fn, fwd_bwd_fn(make(), x, g), pairs)
+            except Exception as e:
+                row[name] = f"failed: {type(e).__name__}: {e}"[:200]
+                continue
+            row[name] = ratio
+            row["times_ms"][name] = {"bf16": t_base, name: t}
         if with_reference:
             layer = make_layer("mxfp4", N, K, "reference")
             row["mxfp4_reference_emulation"] = base / bench(fwd_bwd_fn(layer, x, g), rep=60)
-        if not with_torchao:
-            rows.append(row)
-            print("  linear", row, flush=True)
-            continue
-        try:
-            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-            for rname in ("rowwise", "tensorwise"):
-                m = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False, device="cuda"))
-                convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(rname))
-                m = torch.compile(m)
-                row[f"torchao_{rname}"] = base / bench(fwd_bwd_fn(m, x, g))
-        except Exception as e:
-            row["torchao"] = f"unavailable: {type(e).__name__}: {e}"[:200]
         rows.append(row)
-        print("  linear", row, flush=True)
+        print("  linear", {k: v for k, v in row.items() if k != "times_ms"}, flush=True)
     res["linear_speedup_vs_bf16" if not with_torchao else "torchao_speedup_vs_bf16"] = rows
 
 
@@ -579,6 +597,7 @@ def main():
     p.add_argument("--recipes", default="mxfp4,mxfp4_iht,tseng,adahop_lv2,adahop_lv1")
     p.add_argument("--shapes", default="all", help="'all' or shapes 'N,K', several joined by '/'")
     p.add_argument("--no-emulation", action="store_true", help="skip the reference-backend timing in 'linear'")
+    p.add_argument("--pairs", type=int, default=3, help="alternating BF16 / variant timings per ratio in 'linear'")
     args = p.parse_args()
     props = torch.cuda.get_device_properties(0)
     res = {"device": props.name, "torch": torch.__version__, "triton": triton.__version__,
@@ -610,10 +629,10 @@ def main():
             elif name == "gemm":
                 section_gemm(res)
             elif name == "linear":
-                section_linear(res, args.recipes.split(","), shapes, with_reference=not args.no_emulation, with_torchao=False)
+                section_linear(res, args.recipes.split(","), shapes, with_reference=not args.no_emulation, with_torchao=False, pairs=args.pairs)
             elif name == "torchao":
                 # the AdaHOP recipes again in the same rows: one BF16 baseline for all
-                section_linear(res, args.recipes.split(","), [(14336, 4096)], with_reference=False, with_torchao=True)
+                section_linear(res, args.recipes.split(","), [(14336, 4096)], with_reference=False, with_torchao=True, pairs=args.pairs)
             elif name == "profile":  # each of --shapes (all: (14336, 4096))
                 for shape in [(14336, 4096)] if args.shapes == "all" else shapes:
                     section_profile(res, shape=shape)

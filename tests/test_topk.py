@@ -14,7 +14,7 @@ from adahop.ops.outliers import largest_k, topk_outer  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("n,k", [(1, 1), (5, 3), (100, 7), (1000, 64), (4096, 64), (3000, 3000), (50, 80)])
+@pytest.mark.parametrize("n,k", [(1, 1), (5, 3), (100, 7), (1000, 64), (4096, 64), (3000, 3000), (50, 80), (20000, 16), (40000, 16)])
 def test_equals_reference_on_random_values(n, k):
     v = torch.randn(n, generator=torch.Generator().manual_seed(n + k)).to(DEVICE)
     got = topk_indices(v, k)

@@ -112,6 +112,8 @@ def library_launches() -> None:
     quantize_both(x, iht, iht, rows_form="packed", col_norms=True)
     unpack_to_e4m3(quantize_operand_triton(x, 0, hadamard_size=32)["mx"])
     topk_indices(torch.rand(4096), 64)
+    topk_indices(torch.rand(14336), 64)
+    topk_indices(torch.rand(20000), 64)  # 32,768 in registers, 16 warps
     topk_indices(torch.rand(40000), 64)
 
 

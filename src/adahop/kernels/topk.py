@@ -4,7 +4,8 @@ ascending index order, in one launch.
 Outlier extraction ranks a GEMM operand's outer slices by L2 norm and sends the k largest to a
 high-precision GEMM. ``torch.topk`` followed by a sort of the indices takes two launches plus
 small ones: 0.089 ms for n = 16384 on the H200 (a single-block radix select and a sort); this
-kernel takes one launch, 0.034 ms (0.019 ms for n = 4096; session 7, run 1).
+kernel takes one launch, 0.034 ms (0.019 ms for n = 4096; session 7, run 1; 0.031 and 0.014 ms
+with the keys alone in registers, session 11).
 
 Selection rule (``ops.outliers.largest_k``, the reference): the k largest values, NaN
 above +inf, ties at the k-th value broken by the lower index. One program, no atomics, so the
@@ -90,7 +91,14 @@ def _topk_kernel(v_ptr, out_ptr, n, k, BLOCK: tl.constexpr, ONE_BLOCK: tl.conste
 
 
 _TOPK = FastLauncher(_topk_kernel)
-MAX_BLOCK = 16384  # values held in registers: 64 per thread with 8 warps
+# Values held in registers: up to 64 per thread, with 4, 8 or 16 warps. 32,768 covers OE's
+# selection over the tokens of a 64 x 512 batch in one read; the re-read path for it took 0.122
+# to 0.143 ms on the H200 (session 11), against 0.031 ms for 16,384 values held.
+MAX_BLOCK = 32768
+
+
+def _warps(block: int) -> int:
+    return 16 if block >= 32768 else 8 if block >= 4096 else 4
 
 
 def topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -108,6 +116,5 @@ def topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
     if n >= 2**31:
         raise ValueError(f"topk_indices takes fewer than 2**31 values, got {n}")
     block = min(MAX_BLOCK, max(128, next_power_of_2(n)))
-    _TOPK[(1,)](values.contiguous(), out, n, k, BLOCK=block, ONE_BLOCK=n <= block,
-                       num_warps=8 if block >= 4096 else 4)
+    _TOPK[(1,)](values.contiguous(), out, n, k, BLOCK=block, ONE_BLOCK=n <= block, num_warps=_warps(block))
     return out
