@@ -83,8 +83,9 @@ def compile_launches(arch: int = 90):
 def library_launches() -> None:
     """The kernel entry points on small CPU operands that take every launch variant the layer
     uses: one chunk per row and two passes, split K ranges, packed / e4m3 / both, RNE / SR,
-    signs, every scale mode, float32 rounded to bf16 in the loads, both orientations from one kernel (with and without the norms of
-    outlier extraction), unpack, top-k (in registers and re-read)."""
+    signs, every scale mode, float32 rounded to bf16 in the loads, both orientations from one
+    kernel (with and without the norms of outlier extraction) and the reduction between its
+    passes, unpack, top-k (held in registers with 4, 8 and 16 warps, and re-read)."""
     from adahop.kernels.quantize import quantize_operand_triton
     from adahop.kernels.quantize_both import quantize_both
     from adahop.kernels.topk import topk_indices
