@@ -440,7 +440,7 @@ def linear_case(N, K):
 def paired_speedup(base_fn, fn, pairs, rep=100):
     """BF16's time over ``fn``'s, from ``pairs`` alternating timings of the two, as the ratio of
     the two medians; with every timing, for the record. (The H200's BF16 time for one shape moved
-    by up to 12% between runs of one session, 8.31-9.33 ms at (14336, 4096): one BF16 timing
+    by up to 17% between runs of one session, 7.78-9.07 ms at (14336, 4096): one BF16 timing
     per shape moved every ratio with it.)"""
     t_base, t = [], []
     for _ in range(pairs):
