@@ -429,11 +429,14 @@ def fwd_bwd_fn(layer, x, g):
     return run
 
 
+def linear_inputs(N, K):
+    """The input and output gradient of a layer of shape (N, K) at T tokens."""
+    return activation((T, K)).requires_grad_(), activation((T, N), seed=5)
+
+
 def linear_case(N, K):
-    """The inputs of a layer of shape (N, K) at T tokens, and BF16 ``nn.Linear``'s forward +
-    backward time on them (ms): every layer timing's baseline."""
-    x = activation((T, K)).requires_grad_()
-    g = activation((T, N), seed=5)
+    """``linear_inputs`` and BF16 ``nn.Linear``'s forward + backward time on them (ms)."""
+    x, g = linear_inputs(N, K)
     return x, g, bench(fwd_bwd_fn(make_layer("bf16_nn", N, K, None), x, g))
 
 
@@ -452,33 +455,31 @@ def paired_speedup(base_fn, fn, pairs, rep=100):
 def section_linear(res, recipes, shapes, with_reference, with_torchao, pairs=3):
     rows = []
     for N, K in shapes:
-        x, g, base = linear_case(N, K)
+        x, g = linear_inputs(N, K)
         base_fn = fwd_bwd_fn(make_layer("bf16_nn", N, K, None), x, g)
-        row = {"shape": (N, K), "bf16_ms": base, "pairs": pairs, "times_ms": {}}
-        variants = [(recipe, lambda recipe=recipe: make_layer(recipe, N, K, "hopper_fp8")) for recipe in recipes]
+        row = {"shape": (N, K), "pairs": pairs, "times_ms": {}}
+
+        def timed(name, layer, rep=100):
+            ratio, t_base, t = paired_speedup(base_fn, fwd_bwd_fn(layer, x, g), pairs, rep=rep)
+            row[name] = ratio
+            row["times_ms"][name] = {"bf16": t_base, name: t}
+
+        for recipe in recipes:
+            timed(recipe, make_layer(recipe, N, K, "hopper_fp8"))
+        if with_reference:
+            timed("mxfp4_reference_emulation", make_layer("mxfp4", N, K, "reference"), rep=60)
         if with_torchao:
             try:
                 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-                def torchao_layer(rname):
+                for rname in ("rowwise", "tensorwise"):
                     m = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False, device="cuda"))
                     convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(rname))
-                    return torch.compile(m)
-
-                variants += [(f"torchao_{r}", lambda r=r: torchao_layer(r)) for r in ("rowwise", "tensorwise")]
+                    timed(f"torchao_{rname}", torch.compile(m))
             except Exception as e:
                 row["torchao"] = f"unavailable: {type(e).__name__}: {e}"[:200]
-        for name, make in variants:
-            try:
-                ratio, t_base, t = paired_speedup(base_fn, fwd_bwd_fn(make(), x, g), pairs)
-            except Exception as e:
-                row[name] = f"failed: {type(e).__name__}: {e}"[:200]
-                continue
-            row[name] = ratio
-            row["times_ms"][name] = {"bf16": t_base, name: t}
-        if with_reference:
-            layer = make_layer("mxfp4", N, K, "reference")
-            row["mxfp4_reference_emulation"] = base / bench(fwd_bwd_fn(layer, x, g), rep=60)
+        # BF16's time: the median of every BF16 timing of this shape
+        row["bf16_ms"] = statistics.median(t for d in row["times_ms"].values() for t in d["bf16"])
         rows.append(row)
         print("  linear", {k: v for k, v in row.items() if k != "times_ms"}, flush=True)
     res["linear_speedup_vs_bf16" if not with_torchao else "torchao_speedup_vs_bf16"] = rows
