@@ -1,8 +1,11 @@
 """The comparison scripts of benchmarks/ run end to end on the CPU at a tiny size: the recipe
-comparison (serially and as one process per "GPU") and the ablation with seed-paired gaps."""
+comparison (serially and as one process per "GPU"), the ablation with seed-paired gaps, and the
+same recipe trained on two backends."""
 
 import importlib.util
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -85,3 +88,42 @@ def test_ablation_pairs_gaps_by_seed(corpus, tmp_path):
     gap0 = runs["lv2_fprop_bf16", 0] - runs["bf16", 0]
     gap1 = runs["lv2_fprop_bf16", 1] - runs["bf16", 1]
     assert f"{(gap0 + gap1) / 2:+.4f}" in table and f"s0: {gap0:+.4f}" in table
+
+
+def test_backend_agreement_windows_and_differences():
+    ba = load("backend_agreement")
+    assert ba.windows(4, 13, 5) == [(4, 5), (6, 7), (8, 9), (10, 11), (12, 13)]
+    assert ba.windows(2, 3, 5) == [(2, 2), (3, 3)]
+    assert ba.windows(5, 4, 5) == []
+    rows = ba.compare({"a": {1: 9.0, 2: 2.0, 3: 3.0}, "b": {1: 9.0, 2: 2.5, 3: 2.0}}, calibration_steps=1)
+    assert [r["steps"] for r in rows] == [(1, 1), (2, 2), (3, 3)]
+    assert rows[0]["calibration"] and rows[0]["b"]["max_abs"] == 0
+    assert rows[1]["b"]["mean"] == pytest.approx(0.5) and rows[2]["b"]["mean"] == pytest.approx(-1.0)
+    with pytest.raises(ValueError, match="no logged step"):
+        ba.compare({"a": {1: 1.0}, "b": {2: 1.0}}, calibration_steps=0)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the triton backend on the CPU needs the interpreter")
+def test_backend_agreement_reference_and_triton_train_to_the_same_bits(corpus, tmp_path):
+    """The issue's "a converted model gives the same loss curve on both backends", on the CPU:
+    the Triton quantize kernels equal the reference bit for bit and the triton backend's GEMM
+    is the reference's, so every loss and the held-out loss are equal exactly. (One calibration
+    step, then two MXFP4 steps: the second one's weights come from MXFP4 gradients.)"""
+    ba = load("backend_agreement")
+    out = tmp_path / "agree"
+    common = ["--corpus", str(corpus), "--out", str(out), "--backends", "reference", "triton"]
+    assert ba.main([*common, "--preset", "debug", "--steps", "3", "--calibration-steps", "1", "--batch-size", "2",
+                    "--seq-len", "32", "--device", "cpu"]) == 0
+    res = json.loads((out / "agreement.json").read_text())
+    assert res["same_modes"]
+    assert len(res["losses"]["reference"]) == 3 and all(math.isfinite(v) for v in res["losses"]["reference"])
+    assert res["losses"]["triton"] == res["losses"]["reference"]
+    assert res["heldout"]["triton"] == res["heldout"]["reference"]
+    assert all(row["triton"]["max_abs"] == 0 for row in res["windows"])
+    assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| triton | " in (out / "agreement.md").read_text()
+
+    # comparing runs that differ in what they trained is refused
+    cfg = json.loads((out / "triton" / "config.json").read_text())
+    (out / "triton" / "config.json").write_text(json.dumps(dict(cfg, seed=cfg["seed"] + 1)))
+    assert ba.main([*common, "--report-only"]) == 2

@@ -214,3 +214,15 @@ def test_bad_config_is_refused_before_work(tmp_path):
         train(config(tmp_path, recipe="fp3"), model=tiny_model(), train_batches=CountingBatches())
     with pytest.raises(ValueError, match="steps"):
         train(config(tmp_path, steps=0), model=tiny_model(), train_batches=CountingBatches())
+    # a backend that cannot run on the device: refused before the BF16 calibration steps,
+    # not at the first MXFP4 step after them
+    batches = CountingBatches()
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        train(config(tmp_path, backend="hopper_fp8"), model=tiny_model(), train_batches=batches)
+    with pytest.raises(ValueError, match="unknown backend 'fp8'"):
+        train(config(tmp_path, backend="fp8"), model=tiny_model(), train_batches=batches)
+    assert not (tmp_path / "run" / "log.jsonl").exists()
+    # bf16 runs no MXFP4 GEMM: a known backend is not asked to run there, an unknown one refused
+    config(tmp_path, recipe="bf16", backend="hopper_fp8").validate()
+    with pytest.raises(ValueError, match="unknown backend"):
+        config(tmp_path, recipe="bf16", backend="fp8").validate()

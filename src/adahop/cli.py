@@ -63,7 +63,7 @@ def run_train(args) -> dict:
                  grad_accum=args.grad_accum, lr=args.lr, seed=args.seed, out_dir=args.out,
                  corpus_dir=args.corpus, model_size=args.model_size, device=args.device,
                  seq_len=args.seq_len, oe_k=args.oe_k, calibration_steps=args.calibration_steps,
-                 progress=not args.no_progress, compile=args.compile or None)
+                 backend=args.backend, progress=not args.no_progress, compile=args.compile or None)
     cfg.validate()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -169,6 +169,7 @@ def compare_runs(run_dirs, plot_path=None) -> str:
 
 # ---- argument parsing ------------------------------------------------------------------------------
 def _add_train_args(p):
+    from adahop.ops.backends import BACKEND_NAMES
     from adahop.train.recipes import PRESETS
 
     g = p.add_argument_group("what")
@@ -187,6 +188,9 @@ def _add_train_args(p):
     g.add_argument("--device")
     g.add_argument("--oe-k", type=int, help="slices outlier extraction computes in high precision, per GEMM")
     g.add_argument("--calibration-steps", type=int, help="BF16 steps that classify the outlier patterns")
+    g.add_argument("--backend", choices=("auto", *BACKEND_NAMES),
+                   help="where the MXFP4 GEMMs run (default auto: the fastest this device has; "
+                        "reference: dequantize + matmul, the numerics' definition, on any device)")
     g = p.add_argument_group("behaviour")
     g.add_argument("--no-resume", action="store_true", help="start over even if the run folder has a checkpoint")
     g.add_argument("--no-progress", action="store_true")

@@ -83,6 +83,17 @@ class TrainConfig:
             raise ValueError(f"compile must be a bool, got {self.compile!r}")
         if self.autocast not in ("auto", "bf16", "none"):
             raise ValueError(f"autocast must be 'auto', 'bf16' or 'none', got {self.autocast!r}")
+        # The backend is first asked for at the first MXFP4 step, after the BF16 calibration:
+        # one that cannot run on this device is refused here, before any work.
+        # (bf16 runs no MXFP4 GEMM: there a known backend is not asked to run.)
+        from adahop.ops.backends import BACKEND_NAMES, unavailable_reason
+
+        if self.backend != "auto":
+            if self.backend not in BACKEND_NAMES:
+                raise ValueError(f"unknown backend {self.backend!r}; known: {('auto', *BACKEND_NAMES)}")
+            reason = unavailable_reason(self.backend, resolve_device(self.device))
+            if reason is not None and self.recipe != "bf16":
+                raise ValueError(reason)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
