@@ -117,18 +117,18 @@ def main(argv=None) -> int:
     if differ:
         print(f"the runs differ in {differ}: not comparable", file=sys.stderr)
         return 2
-    recipe = configs[args.backends[0]]["recipe"]
+    first = args.backends[0]  # the baseline of every difference
+    recipe = configs[first]["recipe"]
     logs = {b: read_log(r) for b, r in runs.items()}
     losses = {b: {rec["step"]: rec["loss"] for rec in log if "loss" in rec} for b, log in logs.items()}
     heldout = {b: next((rec["final_eval"]["loss"] for rec in reversed(log) if rec.get("final_eval")), math.nan)
                for b, log in logs.items()}
     modes = {b: (r / "modes.json").read_text() if (r / "modes.json").exists() else None for b, r in runs.items()}
-    calibration = configs[args.backends[0]]["calibration_steps"]
+    calibration = configs[first]["calibration_steps"]
     if not adahop.AdaHOPConfig.from_recipe_name(recipe).adaptive:
         calibration = 0  # a fixed recipe runs MXFP4 from the first step
     rows = compare(losses, calibration, args.windows)
 
-    first = args.backends[0]
     lines = [f"# {recipe} on {', '.join(args.backends)}: training losses compared", "",
              f"Model `{configs[first]['model_size']}`, {configs[first]['batch_size']} x {configs[first]['seq_len']} "
              f"tokens per step, {max(losses[first])} steps logged, seed {configs[first]['seed']}, calibration: "
