@@ -9,7 +9,7 @@ import torch
 import torch._dynamo
 
 import adahop
-from adahop.demo import TinyLM
+from tiny_lm import TinyLM
 from adahop.train.compile import compile_blocks
 from adahop.train.model import Llama, LlamaConfig
 from adahop.train.trainer import TrainConfig, train

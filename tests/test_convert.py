@@ -1,6 +1,6 @@
 """Model conversion (adahop.convert), checkpoints (state_dict extra state), the modes JSON
 (adahop.modes_io), a few training steps of a converted tiny transformer under every recipe, and the
-demo's command line, all on the demo's TinyLM."""
+example loop of examples/, mostly on the tests' TinyLM (tests/tiny_lm.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import nn
 
 import adahop
 from adahop import AdaHOPConfig, AdaHOPLinear
-from adahop.demo import TinyLM, batches, encode_bytes, lm_loss, load_corpus
+from tiny_lm import TinyLM, batches, encode_bytes, lm_loss, load_corpus
 
 RECIPES = tuple(adahop.RECIPES)
 ADAPTIVE = tuple(r for r in RECIPES if AdaHOPConfig.from_recipe_name(r).adaptive)
@@ -375,15 +375,16 @@ def test_converted_tiny_transformer_trains_under_every_recipe(recipe, tokens):
         assert layer.calls == (0 if recipe == "bf16" else 25)
 
 
-def test_demo_main_runs_end_to_end(capsys):
-    from adahop.demo import main
+def test_example_your_own_loop_runs_end_to_end(capsys):
+    """examples/your_own_loop.py: convert, calibrate, train past the freeze, print the modes."""
+    import importlib.util
+    from pathlib import Path
 
-    rc = main([
-        "--steps", "4", "--calibration-steps", "2", "--recipes", "bf16", "adahop_lv2",
-        "--seq-len", "32", "--batch", "2", "--device", "cpu",
-    ])
-    assert rc == 0
+    path = Path(__file__).resolve().parents[1] / "examples" / "your_own_loop.py"
+    spec = importlib.util.spec_from_file_location("your_own_loop", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--steps", "6", "--calibration-steps", "3", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "== bf16: 4 steps" in out and "== adahop_lv2: 4 steps" in out
-    assert "blocks.0.qkv" in out and "modes: fprop=" in out
-    assert "gap to bf16" in out
+    assert "calibrated False" in out and "step    5" in out and "calibrated True" in out
+    assert "layers.0.attention.wq" in out and "modes: fprop=" in out

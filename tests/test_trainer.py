@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import adahop
-from adahop.demo import TinyLM
+from tiny_lm import TinyLM
 from adahop.train import checkpoint as ckpt
 from adahop.train.trainer import TrainConfig, lr_at, read_log, train
 

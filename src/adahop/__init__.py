@@ -2,7 +2,7 @@
 
 Layers, bottom to top: formats (MXFP4) -> transforms (Hadamard) -> patterns (detection,
 calibration) -> policy (strategy tables) -> config -> ops (dispatch: reference today) -> linear
-(autograd Function + module) -> convert -> modes_io / demo.
+(autograd Function + module) -> convert -> modes_io.
 """
 
 from adahop.config import RECIPES, AdaHOPConfig, GemmConfig
