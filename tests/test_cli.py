@@ -5,6 +5,7 @@ import json
 import pytest
 
 from adahop import cli
+from adahop.train.compare import steady_tokens_per_s
 from adahop.train import data as D
 from adahop.train import sources as S
 
@@ -66,14 +67,14 @@ def test_steady_tokens_per_s_skips_calibration_warmup_and_eval_steps():
     records += [{"step": i + 6, "tok_per_s": 100.0 + i} for i in range(15)]
     records[12]["eval"] = {"loss": 1.0}
     records[12]["tok_per_s"] = 1.0  # a step that also evaluated
-    assert cli.steady_tokens_per_s(records, calibration_steps=5) == 108.0
-    assert cli.steady_tokens_per_s([], 0) is None
+    assert steady_tokens_per_s(records, calibration_steps=5) == 108.0
+    assert steady_tokens_per_s([], 0) is None
 
 
 def test_steady_tokens_per_s_counts_steps_not_records():
     # log_every = 5: records at steps 5, 10, ..., 100; calibration 30 steps -> steps 35.. count
     records = [{"step": s, "tok_per_s": 1.0 if s <= 30 else float(s)} for s in range(5, 101, 5)]
-    assert cli.steady_tokens_per_s(records, calibration_steps=30) == 70.0
+    assert steady_tokens_per_s(records, calibration_steps=30) == 70.0
 
 
 def test_oe_k_and_calibration_overrides(corpus, tmp_path):
@@ -83,7 +84,8 @@ def test_oe_k_and_calibration_overrides(corpus, tmp_path):
     args = train_args(corpus, run, steps=3) + ["--oe-k", "3", "--calibration-steps", "2"]
     assert cli.main(args) == 0
     cfg = json.loads((run / "config.json").read_text())
-    assert cfg["oe_k"] == 3 and cfg["calibration_steps"] == 2
+    q = cfg["adahop"]
+    assert [q[g]["oe_k"] for g in ("fprop", "dgrad", "wgrad")] == [3, 3, 3] and q["calibration_steps"] == 2
     records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     assert [r["calibrated"] for r in records if "loss" in r] == [False, True, True]
     assert cli.main(train_args(corpus, tmp_path / "bad", steps=1) + ["--oe-k", "0"]) == 2

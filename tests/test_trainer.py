@@ -43,11 +43,12 @@ def tiny_model(seed=0):
     return TinyLM(vocab=VOCAB, d=64, layers=2, heads=4, seq_len=SEQ)
 
 
-def config(tmp_path, **kw):
-    base = dict(recipe="adahop_lv2", out_dir=str(tmp_path / "run"), steps=8, batch_size=4, seq_len=SEQ,
-                lr=3e-3, warmup_steps=2, calibration_steps=2, oe_k=4, progress=False, device="cpu")
+def config(tmp_path, recipe="adahop_lv2", calibration_steps=2, oe_k=4, backend="auto", **kw):
+    base = dict(out_dir=str(tmp_path / "run"), steps=8, batch_size=4, seq_len=SEQ,
+                lr=3e-3, warmup_steps=2, progress=False, device="cpu")
     base.update(kw)
-    return TrainConfig(**base)
+    q = adahop.AdaHOPConfig.from_recipe_name(recipe, calibration_steps=calibration_steps, backend=backend)
+    return TrainConfig(adahop=q.with_gemm_settings(oe_k=oe_k), **base)
 
 
 def test_lr_schedule():
@@ -219,10 +220,32 @@ def test_bad_config_is_refused_before_work(tmp_path):
     batches = CountingBatches()
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
         train(config(tmp_path, backend="hopper_fp8"), model=tiny_model(), train_batches=batches)
-    with pytest.raises(ValueError, match="unknown backend 'fp8'"):
+    with pytest.raises(ValueError, match="backend must be one of .*got 'fp8'"):
         train(config(tmp_path, backend="fp8"), model=tiny_model(), train_batches=batches)
     assert not (tmp_path / "run" / "log.jsonl").exists()
     # bf16 runs no MXFP4 GEMM: a known backend is not asked to run there, an unknown one refused
     config(tmp_path, recipe="bf16", backend="hopper_fp8").validate()
-    with pytest.raises(ValueError, match="unknown backend"):
+    with pytest.raises(ValueError, match="backend must be one of"):
         config(tmp_path, recipe="bf16", backend="fp8").validate()
+
+
+def test_config_round_trips_through_json_and_reads_the_flat_layout(tmp_path):
+    """config.json holds the AdaHOP settings as one nested object; from_dict gives back an equal
+    config, and a run folder of the earlier flat layout (recipe, oe_k, ... beside the training
+    fields) reads into the same AdaHOPConfig."""
+    from adahop.train.recipes import preset
+
+    cfg = preset("debug", recipe="tseng", oe_k=7, calibration_steps=5, seed=3, out_dir=str(tmp_path))
+    assert (cfg.recipe, cfg.seed, cfg.adahop.seed, cfg.adahop.calibration_steps) == ("tseng", 3, 3, 5)
+    assert {cfg.adahop.gemm(g).oe_k for g in ("fprop", "dgrad", "wgrad")} == {7}
+    back = TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert back == cfg
+    flat = {k: v for k, v in cfg.to_dict().items() if k != "adahop"}
+    flat.update(recipe="tseng", oe_k=7, calibration_steps=5, backend="auto")
+    assert TrainConfig.from_dict(flat) == cfg
+    with pytest.raises(ValueError, match="unknown TrainConfig fields"):
+        TrainConfig.from_dict({**cfg.to_dict(), "lr_typo": 1})
+    with pytest.raises(ValueError, match="unknown preset overrides"):
+        preset("debug", lr_typo=1)
+    with pytest.raises(ValueError, match="not both"):
+        preset("debug", recipe="bf16", adahop=adahop.AdaHOPConfig.from_recipe_name("mxfp4"))

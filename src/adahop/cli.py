@@ -25,38 +25,11 @@ import adahop
 EVAL_MAX_SEQ_LEN = 512
 
 
-# ---- building blocks ---------------------------------------------------------------------------
-def open_run(cfg, corpus, *, max_seq_len: int | None = None):
-    """Model and data for a TrainConfig on a loaded corpus. ``max_seq_len`` (default: the
-    training length) only sizes the RoPE tables, which are not in the checkpoint."""
-    from adahop.train.data import TokenBatches
-    from adahop.train.model import Llama, LlamaConfig
-
-    model_cfg = LlamaConfig.from_size(cfg.model_size, vocab_size=corpus.vocab_size, max_seq_len=max_seq_len or cfg.seq_len)
-    torch.manual_seed(cfg.seed)
-    model = Llama(model_cfg)
-    batches = TokenBatches(corpus, "train", batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
-    return model, batches
-
-
-def heldout_eval(model, corpus, *, seq_len: int, batch_size: int, max_batches: int) -> dict:
-    """Held-out loss (nats/token) and bits per byte per source, over the first ``max_batches``
-    batches of each source's validation shard (``evaluate.heldout_loss``)."""
-    import itertools
-
-    from adahop.train.data import TokenBatches
-    from adahop.train.evaluate import heldout_loss
-
-    batches = {s: itertools.islice(TokenBatches(corpus, "val", batch_size=batch_size, seq_len=seq_len, sources=[s]), max_batches)
-               for s in corpus.sources}
-    sizes = {s: (corpus.shard_info(s, "val")["tokens"], corpus.shard_info(s, "val")["text_bytes"]) for s in corpus.sources}
-    device = next(model.parameters()).device
-    return heldout_loss(model, batches, sizes=sizes, autocast_dtype=torch.bfloat16 if device.type == "cuda" else None)
-
-
+# ---- commands ------------------------------------------------------------------------------------
 def run_train(args) -> dict:
     from adahop.train.data import load_corpus
     from adahop.train.recipes import preset
+    from adahop.train.run import heldout_eval, open_run
     from adahop.train.trainer import train
 
     cfg = preset(args.preset, recipe=args.recipe, steps=args.steps, batch_size=args.batch_size,
@@ -92,12 +65,13 @@ def run_eval(args) -> dict:
     from adahop.train.checkpoint import latest_checkpoint, load_checkpoint
     from adahop.train.data import load_corpus
     from adahop.train.evaluate import evaluate_tasks
+    from adahop.train.run import heldout_eval, open_run
     from adahop.train.trainer import TrainConfig, resolve_device
 
     run = Path(args.run)
     if not (run / "config.json").exists():
         raise ValueError(f"{run} is not a run folder (no config.json)")
-    cfg = TrainConfig(**json.loads((run / "config.json").read_text()))
+    cfg = TrainConfig.from_dict(json.loads((run / "config.json").read_text()))
     found = latest_checkpoint(run / "checkpoints")
     if found is None:
         raise ValueError(f"{run} has no checkpoint")
@@ -108,9 +82,7 @@ def run_eval(args) -> dict:
     # eval.json records both lengths).
     eval_len = max(cfg.seq_len, EVAL_MAX_SEQ_LEN)
     model, _ = open_run(cfg, corpus, max_seq_len=eval_len)
-    qcfg = adahop.AdaHOPConfig.from_recipe_name(cfg.recipe, calibration_steps=cfg.calibration_steps,
-                                                backend=cfg.backend, seed=cfg.seed).with_gemm_settings(oe_k=cfg.oe_k)
-    adahop.convert_to_adahop_training(model, config=qcfg)
+    adahop.convert_to_adahop_training(model, config=cfg.adahop)
     model.load_state_dict(load_checkpoint(found, map_location="cpu")["model"])
     model.to(device)
     result = {"checkpoint": found.name, "train_seq_len": cfg.seq_len, "eval_max_seq_len": eval_len, "heldout": heldout_eval(model, corpus, seq_len=cfg.seq_len,
@@ -125,51 +97,9 @@ def run_eval(args) -> dict:
     return result
 
 
-def steady_tokens_per_s(records: list[dict], calibration_steps: int = 0) -> float | None:
-    """Median tokens/s of the logged steps after calibration and the first 10% of the run
-    (compilation, warm-up), leaving out steps that also ran an evaluation."""
-    if not records:
-        return None
-    skip = max(calibration_steps, records[-1]["step"] // 10)  # by step number: any log_every
-    rates = sorted(r["tok_per_s"] for r in records if r["step"] > skip and "tok_per_s" in r and "eval" not in r)
-    return rates[len(rates) // 2] if rates else None
-
-
-def compare_runs(run_dirs, plot_path=None) -> str:
-    from adahop.train.plot import plot_loss_curves
-    from adahop.train.trainer import read_log
-
-    rows, curves = [], {}
-    for d in run_dirs:
-        d = Path(d)
-        cfg = json.loads((d / "config.json").read_text())
-        log = read_log(d)
-        curves[cfg["recipe"]] = [r for r in log if "loss" in r]
-        final = next((r["final_eval"] for r in reversed(log) if "final_eval" in r), None)
-        summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
-        heldout = final["loss"] if final else math.nan
-        rows.append((cfg["recipe"], len(curves[cfg["recipe"]]), heldout, summary.get("tokens_per_s"),
-                     steady_tokens_per_s(curves[cfg["recipe"]], cfg.get("calibration_steps", 0)),
-                     summary.get("peak_memory_bytes")))
-    base = next((r[2] for r in rows if r[0] == "bf16"), None)
-    base_tps = next((r[4] for r in rows if r[0] == "bf16"), None)
-    lines = ["| recipe | steps | held-out loss | gap to bf16 | tokens/s (whole run) | tokens/s (steady) | vs bf16 | peak GPU memory |",
-             "|---|---|---|---|---|---|---|---|"]
-    for recipe, steps, loss, tps, steady, mem in rows:
-        gap = f"{loss - base:+.4f}" if base is not None and math.isfinite(loss) else "-"
-        mem_s = f"{mem / 2**30:.2f} GiB" if mem else "-"
-        speed = f"{steady / base_tps:.2f}x" if base_tps and steady else "-"
-        lines.append(f"| {recipe} | {steps} | {loss:.4f} | {gap} | {tps or 0:.0f} | {steady or 0:.0f} | {speed} | {mem_s} |")
-    table = "\n".join(lines)
-    if plot_path:
-        plot_loss_curves(curves, plot_path, title="training loss by recipe",
-                         baseline="bf16" if "bf16" in curves else None)
-    return table
-
-
 # ---- argument parsing ------------------------------------------------------------------------------
 def _add_train_args(p):
-    from adahop.ops.backends import BACKEND_NAMES
+    from adahop.config import BACKEND_CHOICES
     from adahop.train.recipes import PRESETS
 
     g = p.add_argument_group("what")
@@ -188,7 +118,7 @@ def _add_train_args(p):
     g.add_argument("--device")
     g.add_argument("--oe-k", type=int, help="slices outlier extraction computes in high precision, per GEMM")
     g.add_argument("--calibration-steps", type=int, help="BF16 steps that classify the outlier patterns")
-    g.add_argument("--backend", choices=("auto", *BACKEND_NAMES),
+    g.add_argument("--backend", choices=BACKEND_CHOICES,
                    help="where the MXFP4 GEMMs run (default auto: the fastest this device has; "
                         "reference: dequantize + matmul, the numerics' definition, on any device)")
     g = p.add_argument_group("behaviour")
@@ -254,8 +184,11 @@ def main(argv=None) -> int:
         elif args.command == "eval":
             run_eval(args)
         elif args.command == "compare":
+            from adahop.train.compare import compare_runs
+
             print(compare_runs(args.runs, args.plot))
         elif args.command == "quickstart":
+            from adahop.train.compare import compare_runs
             from adahop.train.data import build_corpus
 
             root = Path(args.root)

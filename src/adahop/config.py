@@ -1,6 +1,6 @@
 """Configuration: per-GEMM transform settings and the training recipes built from them.
 
-``AdaHOPConfig.from_recipe_name(name)`` gives each recipe of SPEC.md sections 4-6:
+``AdaHOPConfig.from_recipe_name(name)`` gives each recipe (docs/method.md, 'Recipes'):
 
 ==============  ===============================================================================
 recipe          what it does
@@ -16,7 +16,7 @@ recipe          what it does
 ``adahop_lv1``  AdaHOP with (col, col) as IHT + OE-right (less memory, the paper's Lv1)
 ==============  ===============================================================================
 
-Rounding (SPEC.md section 5): RNE for X and W, SR for G, unless a recipe says otherwise. Every
+Rounding (docs/method.md, 'Stochastic rounding'): RNE for X and W, SR for G, unless a recipe says otherwise. Every
 GEMM has its own ``GemmConfig`` (Hadamard size, random signs, OE k, rounding of each operand,
 scale mode), so a policy or an experiment changes one GEMM without touching the others.
 """
@@ -33,7 +33,10 @@ from adahop.patterns.detect import DEFAULT_TAU, check_tau
 from adahop.policy import GEMM_MODES, GEMMS, POLICY_LEVELS, check_modes
 from adahop.transforms.hadamard import DEFAULT_HADAMARD_SIZE, check_hadamard_size
 
-BACKENDS = ("auto", "reference", "triton", "hopper_fp8", "native_mx")
+# Where the MXFP4 GEMMs run (ops/backends.py implements and checks each; docs/kernels.md,
+# 'Backends and dispatch'). "auto" picks the fastest one the device has.
+BACKEND_NAMES = ("reference", "triton", "hopper_fp8", "native_mx")
+BACKEND_CHOICES = ("auto", *BACKEND_NAMES)
 DEFAULT_OE_K = 64
 DEFAULT_CALIBRATION_STEPS = 30
 
@@ -91,7 +94,7 @@ class AdaHOPConfig:
             if not isinstance(getattr(self, gemm), GemmConfig):
                 raise ValueError(f"{gemm} must be a GemmConfig, got {getattr(self, gemm)!r}")
         check_choice("policy", self.policy, POLICY_LEVELS)
-        check_choice("backend", self.backend, BACKENDS)
+        check_choice("backend", self.backend, BACKEND_CHOICES)
         check_tau(self.tau)
         check_seed(self.seed)
         if not isinstance(self.adaptive, bool):
@@ -110,18 +113,50 @@ class AdaHOPConfig:
         """The per-GEMM modes of a non-adaptive recipe."""
         return {g: self.gemm(g).mode for g in GEMMS}
 
-    def replace(self, **changes) -> "AdaHOPConfig":
+    def replace(self, **changes) -> AdaHOPConfig:
         return dataclasses.replace(self, **changes)
 
-    def with_gemm_settings(self, **changes) -> "AdaHOPConfig":
+    def with_gemm_settings(self, **changes) -> AdaHOPConfig:
         """The same config with ``changes`` (GemmConfig fields, e.g. ``oe_k=8``) applied to all
         three GEMMs."""
         return dataclasses.replace(
             self, **{g: dataclasses.replace(self.gemm(g), **changes) for g in GEMMS}
         )
 
+    def to_dict(self) -> dict:
+        """Plain data (JSON-ready). A custom ``policy_fn`` is recorded by its name only: a function
+        cannot be stored, and a calibrated model's modes are in its state_dict anyway."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for gemm in GEMMS:
+            d[gemm] = dataclasses.asdict(d[gemm])
+        fn = d["policy_fn"]
+        if fn is not None:
+            d["policy_fn"] = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+        return d
+
     @classmethod
-    def from_recipe_name(cls, name: str, **overrides) -> "AdaHOPConfig":
+    def from_dict(cls, d: Mapping) -> AdaHOPConfig:
+        """The config ``to_dict`` wrote (``policy_fn`` comes back as None: see ``to_dict``)."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"an AdaHOPConfig is read from a mapping, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown AdaHOPConfig fields {unknown}; known: {sorted(known)}")
+        fields = {k: v for k, v in d.items() if k != "policy_fn"}
+        for gemm in GEMMS:
+            if gemm in fields:
+                g = fields[gemm]
+                if not isinstance(g, Mapping):
+                    raise ValueError(f"{gemm} must be a mapping of GemmConfig fields, got {g!r}")
+                gemm_known = {f.name for f in dataclasses.fields(GemmConfig)}
+                if set(g) - gemm_known:
+                    raise ValueError(f"unknown GemmConfig fields {sorted(set(g) - gemm_known)} in {gemm}")
+                fields[gemm] = GemmConfig(**g)
+        return cls(**fields)
+
+    @classmethod
+    def from_recipe_name(cls, name: str, **overrides) -> AdaHOPConfig:
         """One of ``RECIPES``; keyword overrides replace fields of the result."""
         if name not in RECIPES:
             raise ValueError(f"unknown recipe {name!r}; known recipes: {tuple(RECIPES)}")

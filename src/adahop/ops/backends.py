@@ -43,6 +43,7 @@ import os
 
 import torch
 
+from adahop.config import BACKEND_CHOICES, BACKEND_NAMES
 from adahop.formats.mxfp4 import MXFP4Tensor, dequantize_mxfp4
 from adahop.ops.operand import OperandSpec, quantize_operand
 from adahop.ops.outliers import largest_k, topk_outer
@@ -86,9 +87,6 @@ class ReferenceBackend:
         return (a_f32 @ b_f32.t()).to(out_dtype)
 
 
-BACKEND_NAMES = ("reference", "triton", "hopper_fp8", "native_mx")
-
-
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -121,7 +119,7 @@ def _device(device) -> torch.device:
 def unavailable_reason(name: str, device=None) -> str | None:
     """Why backend ``name`` cannot run on ``device`` (None when it can)."""
     if name not in BACKEND_NAMES:
-        return f"unknown backend {name!r}; known: {('auto',) + BACKEND_NAMES}"
+        return f"unknown backend {name!r}; known: {BACKEND_CHOICES}"
     dev = _device(device)
     if name in ("triton", "hopper_fp8", "native_mx") and not triton_available():
         return f"backend {name!r} needs triton (pip install triton)"

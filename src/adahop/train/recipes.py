@@ -1,58 +1,91 @@
 """Training presets as small Python functions, each derived from the tiny ``debug`` one (the
 torchtitan way: a preset is code, so it can compute, and a diff shows what a preset changes).
 
-"preset" = how big and how long (model size, batch, steps, schedule); the AdaHOP *recipe*
-(bf16, mxfp4, ..., adahop_lv2) is chosen separately, so that every recipe runs on the same
-preset and the comparison is fair.
+"preset" = how big and how long (model size, batch, steps, schedule, and the AdaHOP settings that
+scale with the model: calibration length, OE k); the AdaHOP *recipe* (bf16, mxfp4, ...,
+adahop_lv2) is chosen separately, so that every recipe runs on the same preset and the comparison
+is fair. Each preset takes the recipe's name.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from adahop.config import AdaHOPConfig
 from adahop.train.trainer import TrainConfig
 
+DEFAULT_RECIPE = "adahop_lv2"
 
-def debug() -> TrainConfig:
+
+def numerics(recipe: str, *, calibration_steps: int, oe_k: int) -> AdaHOPConfig:
+    """The AdaHOP config of ``recipe`` with a preset's calibration length and OE k (all GEMMs)."""
+    return AdaHOPConfig.from_recipe_name(recipe, calibration_steps=calibration_steps).with_gemm_settings(oe_k=oe_k)
+
+
+def debug(recipe: str = DEFAULT_RECIPE) -> TrainConfig:
     """Seconds on a CPU: the tiny model, a few steps. For tests and smoke runs."""
     return TrainConfig(
+        adahop=numerics(recipe, calibration_steps=3, oe_k=4),
         model_size="tiny", steps=20, batch_size=4, seq_len=64, lr=3e-3, warmup_steps=5,
-        calibration_steps=3, oe_k=4, eval_batches=4, ckpt_every=10,
+        eval_batches=4, ckpt_every=10,
     )
 
 
-def cpu() -> TrainConfig:
+def cpu(recipe: str = DEFAULT_RECIPE) -> TrainConfig:
     """A few minutes on 2 CPU cores: the README's main job."""
     return dataclasses.replace(
-        debug(), steps=300, batch_size=8, seq_len=128, lr=2e-3, warmup_steps=30,
-        calibration_steps=30, eval_every=100, eval_batches=8, ckpt_every=100,
+        debug(recipe), adahop=numerics(recipe, calibration_steps=30, oe_k=4),
+        steps=300, batch_size=8, seq_len=128, lr=2e-3, warmup_steps=30,
+        eval_every=100, eval_batches=8, ckpt_every=100,
     )
 
 
-def h200() -> TrainConfig:
+def h200(recipe: str = DEFAULT_RECIPE) -> TrainConfig:
     """One H200, under 10 minutes per recipe: the 20M model, 2000 steps of 64 x 512 tokens
     (65M tokens), the paper's optimizer settings but a higher peak lr for the small model."""
     return dataclasses.replace(
-        debug(), model_size="20m", steps=2000, batch_size=64, seq_len=512, lr=1e-3,
-        warmup_steps=200, calibration_steps=30, oe_k=16, eval_every=500, eval_batches=32,
-        ckpt_every=500, device="cuda",
+        debug(recipe), adahop=numerics(recipe, calibration_steps=30, oe_k=16),
+        model_size="20m", steps=2000, batch_size=64, seq_len=512, lr=1e-3,
+        warmup_steps=200, eval_every=500, eval_batches=32, ckpt_every=500, device="cuda",
     )
 
 
-def h200_125m() -> TrainConfig:
-    """The 125M model on one H200: 1000 steps of 64 x 512 tokens (32.8M tokens). One run alone
-    takes about 2 minutes in bf16 and 4-5 in the MXFP4 recipes (measured: 294k and 133-152k
-    tokens/s); the other settings are ``h200``'s."""
-    return dataclasses.replace(h200(), model_size="125m", steps=1000)
+def h200_125m(recipe: str = DEFAULT_RECIPE) -> TrainConfig:
+    """The 125M model on one H200: 1000 steps of 64 x 512 tokens (32.8M tokens); the other
+    settings are ``h200``'s. docs/results.md has its speed per recipe."""
+    return dataclasses.replace(h200(recipe), model_size="125m", steps=1000)
 
 
 PRESETS = {"debug": debug, "cpu": cpu, "h200": h200, "h200_125m": h200_125m}
 
+# Overrides of the AdaHOP side that ``preset`` accepts beside TrainConfig's own fields.
+ADAHOP_OVERRIDES = ("recipe", "calibration_steps", "oe_k", "backend")
 
-def preset(name: str, **overrides) -> TrainConfig:
+
+def preset(name: str, *, adahop: AdaHOPConfig | None = None, **overrides) -> TrainConfig:
+    """Preset ``name`` with ``overrides`` (None values are ignored, so a CLI's unset options pass
+    through). ``recipe`` picks the recipe; ``calibration_steps``, ``oe_k`` (all GEMMs) and
+    ``backend`` change the AdaHOP side; ``adahop`` replaces the AdaHOP config as a whole (an
+    experiment's own variant), before those; ``seed`` sets both the training seed and the SR
+    seed; every other name is a TrainConfig field."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {tuple(PRESETS)}")
-    unknown = set(overrides) - {f.name for f in dataclasses.fields(TrainConfig)}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    train_fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"adahop"}
+    unknown = set(overrides) - train_fields - set(ADAHOP_OVERRIDES)
     if unknown:
-        raise ValueError(f"unknown TrainConfig fields {sorted(unknown)}")
-    return dataclasses.replace(PRESETS[name](), **{k: v for k, v in overrides.items() if v is not None})
+        known = sorted(train_fields | set(ADAHOP_OVERRIDES))
+        raise ValueError(f"unknown preset overrides {sorted(unknown)}; known: {known}")
+    if adahop is not None and "recipe" in overrides:
+        raise ValueError("give a recipe name or an adahop config, not both")
+    cfg = PRESETS[name](overrides.pop("recipe", DEFAULT_RECIPE))
+    q = adahop or cfg.adahop
+    if "calibration_steps" in overrides:
+        q = q.replace(calibration_steps=overrides.pop("calibration_steps"))
+    if "backend" in overrides:
+        q = q.replace(backend=overrides.pop("backend"))
+    if "oe_k" in overrides:
+        q = q.with_gemm_settings(oe_k=overrides.pop("oe_k"))
+    if "seed" in overrides:
+        q = q.replace(seed=overrides["seed"])
+    return dataclasses.replace(cfg, adahop=q, **overrides)

@@ -15,23 +15,26 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 from torch import nn
 
 import adahop
+from adahop.config import AdaHOPConfig
 from adahop.train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from adahop.train.compile import compile_blocks
 
 
 @dataclass
 class TrainConfig:
-    """Everything a run needs. Build one with a preset of ``train.recipes``."""
+    """Everything a run needs. Build one with a preset of ``train.recipes``. The AdaHOP numerics
+    (recipe, per-GEMM settings, calibration, backend) are one ``AdaHOPConfig``, the same object
+    ``convert_to_adahop_training`` takes; the rest is the training side."""
 
     # what
-    recipe: str = "adahop_lv2"  # the AdaHOP numerics recipe (adahop.RECIPES)
+    adahop: AdaHOPConfig = field(default_factory=AdaHOPConfig)
     model_size: str = "tiny"  # train.model SIZES
     corpus_dir: str = "runs/corpus"
     out_dir: str = "runs/debug"
@@ -49,12 +52,8 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
-    # AdaHOP
-    calibration_steps: int = 30
-    oe_k: int = 64
-    backend: str = "auto"
     # machinery
-    seed: int = 0
+    seed: int = 0  # model initialisation and data order (the SR streams follow adahop.seed)
     device: str = "auto"
     autocast: str = "auto"  # "bf16", "none", or "auto": bf16 on CUDA, none on CPU
     compile: bool = False  # torch.compile each transformer block (train/compile.py)
@@ -67,10 +66,41 @@ class TrainConfig:
     progress: bool = True
     extra: dict = field(default_factory=dict)
 
+    @property
+    def recipe(self) -> str:
+        return self.adahop.recipe
+
+    def to_dict(self) -> dict:
+        """Plain data for config.json and the checkpoint (``from_dict`` reads it back)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["adahop"] = self.adahop.to_dict()
+        d["extra"] = dict(self.extra)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        """A config written by ``to_dict``. Run folders of adahop 0.1.0, whose config held the
+        AdaHOP settings as flat fields (recipe, calibration_steps, oe_k, backend), read too."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a run config is a JSON object, got {type(d).__name__}")
+        d = dict(d)
+        if "adahop" not in d and "recipe" in d:
+            flat = {k: d.pop(k) for k in ("recipe", "calibration_steps", "oe_k", "backend") if k in d}
+            q = AdaHOPConfig.from_recipe_name(flat["recipe"], seed=d.get("seed", 0), **{
+                k: flat[k] for k in ("calibration_steps", "backend") if k in flat})
+            d["adahop"] = q.with_gemm_settings(oe_k=flat["oe_k"]) if "oe_k" in flat else q
+        elif "adahop" in d:
+            d["adahop"] = AdaHOPConfig.from_dict(d["adahop"])
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown TrainConfig fields {unknown}")
+        return cls(**d)
+
     def validate(self) -> None:
-        if self.recipe not in adahop.RECIPES:
-            raise ValueError(f"unknown recipe {self.recipe!r}; known: {tuple(adahop.RECIPES)}")
-        for name in ("steps", "batch_size", "grad_accum", "seq_len", "calibration_steps", "oe_k", "eval_batches", "sync_every"):
+        if not isinstance(self.adahop, AdaHOPConfig):
+            raise ValueError(f"adahop must be an AdaHOPConfig, got {self.adahop!r}")
+        for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_batches", "sync_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -86,12 +116,10 @@ class TrainConfig:
         # The backend is first asked for at the first MXFP4 step, after the BF16 calibration:
         # one that cannot run on this device is refused here, before any work.
         # (bf16 runs no MXFP4 GEMM: there a known backend is not asked to run.)
-        from adahop.ops.backends import BACKEND_NAMES, unavailable_reason
+        from adahop.ops.backends import unavailable_reason
 
-        if self.backend != "auto":
-            if self.backend not in BACKEND_NAMES:
-                raise ValueError(f"unknown backend {self.backend!r}; known: {('auto', *BACKEND_NAMES)}")
-            reason = unavailable_reason(self.backend, resolve_device(self.device))
+        if self.adahop.backend != "auto":
+            reason = unavailable_reason(self.adahop.backend, resolve_device(self.device))
             if reason is not None and self.recipe != "bf16":
                 raise ValueError(reason)
 
@@ -180,10 +208,7 @@ def train(
     torch.manual_seed(cfg.seed)
 
     if not adahop.adahop_layers(model):
-        qcfg = adahop.AdaHOPConfig.from_recipe_name(
-            cfg.recipe, calibration_steps=cfg.calibration_steps, backend=cfg.backend, seed=cfg.seed
-        ).with_gemm_settings(oe_k=cfg.oe_k)
-        adahop.convert_to_adahop_training(model, config=qcfg)
+        adahop.convert_to_adahop_training(model, config=cfg.adahop)
     model.to(device).train()
     if cfg.compile:
         compile_blocks(model)
@@ -194,15 +219,16 @@ def train(
     found = latest_checkpoint(ckpt_dir) if resume else None
     if found is not None:
         state = load_checkpoint(found, map_location="cpu")  # load_state_dict moves each part to its device
-        if state["config"]["recipe"] != cfg.recipe or state["config"]["model_size"] != cfg.model_size:
-            raise ValueError(f"{found} is a {state['config']['recipe']}/{state['config']['model_size']} run; this one is {cfg.recipe}/{cfg.model_size}")
+        saved = TrainConfig.from_dict(state["config"])
+        if saved.recipe != cfg.recipe or saved.model_size != cfg.model_size:
+            raise ValueError(f"{found} is a {saved.recipe}/{saved.model_size} run; this one is {cfg.recipe}/{cfg.model_size}")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         train_batches.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         start_step = state["step"]
     log = JsonlLog(out / "log.jsonl", start_step if found is not None else None)
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -274,7 +300,7 @@ def train(
         if do_ckpt:
             save_checkpoint(ckpt_dir, step, {
                 "step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                "data": train_batches.state_dict(), "rng": rng_state(), "config": asdict(cfg),
+                "data": train_batches.state_dict(), "rng": rng_state(), "config": cfg.to_dict(),
             }, keep=cfg.keep_checkpoints)
         if stop_after is not None and steps_done >= stop_after:
             break

@@ -1,0 +1,55 @@
+"""A run assembled from its config: the model and its batches, and the held-out evaluation.
+
+What ``adahop train`` and ``adahop eval`` are made of, public so that benchmarks and user scripts
+build the same run without going through the command line::
+
+    corpus = load_corpus(cfg.corpus_dir)
+    model, batches = open_run(cfg, corpus)
+    summary = train(cfg, model=model, train_batches=batches,
+                    eval_fn=lambda m: heldout_eval(m, corpus, seq_len=cfg.seq_len,
+                                                   batch_size=cfg.batch_size, max_batches=cfg.eval_batches))
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from adahop.train.data import Corpus, TokenBatches
+from adahop.train.model import Llama, LlamaConfig
+from adahop.train.trainer import TrainConfig
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, *, max_seq_len: int | None = None) -> Llama:
+    """The (unconverted) Llama of ``cfg.model_size``, initialised from ``cfg.seed``.
+    ``max_seq_len`` (default: the training length) only sizes the RoPE tables, which are not in
+    the checkpoint, so a longer one can score longer evaluation items."""
+    model_cfg = LlamaConfig.from_size(cfg.model_size, vocab_size=vocab_size, max_seq_len=max_seq_len or cfg.seq_len)
+    torch.manual_seed(cfg.seed)
+    return Llama(model_cfg)
+
+
+def train_batches(cfg: TrainConfig, corpus: Corpus) -> TokenBatches:
+    """The training batches of ``cfg`` (order fixed by ``cfg.seed``; resumable)."""
+    return TokenBatches(corpus, "train", batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+
+
+def open_run(cfg: TrainConfig, corpus: Corpus, *, max_seq_len: int | None = None) -> tuple[Llama, TokenBatches]:
+    """``build_model`` and ``train_batches`` together: what ``train`` is given."""
+    return build_model(cfg, corpus.vocab_size, max_seq_len=max_seq_len), train_batches(cfg, corpus)
+
+
+def heldout_eval(model, corpus: Corpus, *, seq_len: int, batch_size: int, max_batches: int) -> dict:
+    """Held-out loss (nats/token) and bits per byte per source, over the first ``max_batches``
+    batches of each source's validation shard (``evaluate.heldout_loss``). BF16 autocast on a GPU,
+    as in training."""
+    from adahop.train.evaluate import heldout_loss
+
+    batches = {s: itertools.islice(TokenBatches(corpus, "val", batch_size=batch_size, seq_len=seq_len, sources=[s]),
+                                   max_batches)
+               for s in corpus.sources}
+    sizes = {s: (corpus.shard_info(s, "val")["tokens"], corpus.shard_info(s, "val")["text_bytes"])
+             for s in corpus.sources}
+    device = next(model.parameters()).device
+    return heldout_loss(model, batches, sizes=sizes, autocast_dtype=torch.bfloat16 if device.type == "cuda" else None)
