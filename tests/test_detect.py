@@ -22,7 +22,8 @@ SHAPES = [(256, 512), (512, 256), (128, 128), (1024, 64), (64, 1024)]
 
 
 def ref_scores(t: torch.Tensor):
-    """The SPEC section 3 statistic in float64 numpy (torch's std/var are unbiased: ddof=1)."""
+    """The detector's statistic (docs/method.md, 'Outlier patterns and their detection') in float64
+    numpy (torch's std/var are unbiased: ddof=1)."""
     m = t.reshape(-1, t.shape[-1]).double().numpy()
     R, C = m.shape
     r = m.var(axis=1, ddof=1)

@@ -2,10 +2,10 @@
 
 The swapped modules share the original parameters (nothing is copied; optimizers built before or
 after the swap see the same tensors). By default every ``nn.Linear`` is converted except the LM
-head (SPEC.md section 1: the LM head, embeddings, norms and attention's own matmuls stay in high
-precision). The LM head is recognised as a Linear whose weight is tied to an ``nn.Embedding`` or
-whose name ends in ``lm_head``, ``output`` or ``head``; pass ``module_filter_fn`` to decide
-yourself.
+head (the LM head, embeddings, norms and attention's own matmuls stay in high precision: see
+docs/method.md, 'The three GEMMs of a linear layer'). The LM head is recognised as a Linear whose
+weight is tied to an ``nn.Embedding`` or whose name ends in ``lm_head``, ``output`` or ``head``;
+pass ``module_filter_fn`` to decide yourself.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """AdaHOP's strategy: from the outlier patterns of X, W, G to a mode for each of the three GEMMs.
 
 Each GEMM is written C = A B with A: [M, Kc] and B: [Kc, Nc] and read as fed to the matmul; a
-transposed tensor swaps row and column (SPEC.md section 4):
+transposed tensor swaps row and column (docs/method.md, 'Strategy per GEMM'):
 
     GEMM   A    B    pair of patterns
     fprop  X    W^T  (pat(X),       flip(pat(W)))

@@ -9,7 +9,7 @@ A tensor is cut into blocks of ``block_size`` (32) consecutive elements along on
   NaN. Bytes 0..254 are used (2**-127 .. 2**127);
 * ``block_size`` E2M1 codes: 1 sign bit (0x8) and 3 magnitude bits indexing
   ``E2M1_GRID = [0, 0.5, 1, 1.5, 2, 3, 4, 6]``; two codes per byte, the even element in the low
-  nibble (decision, SPEC.md section 2).
+  nibble (a decision: docs/method.md, 'MXFP4').
 
 The value of an element is ``E2M1_GRID[code & 7] * (-1 if code & 8 else 1) * scale``.
 

@@ -2,11 +2,11 @@
 
 During calibration a layer runs its GEMMs in high precision and, every step, classifies its
 activation X (as [T, K]), weight W ([N, K]) and output gradient G ([T, N]). It also records the
-detector scores and the energy share of the top-k rows and columns, so that a future policy can
-use more than the labels (SPEC.md section 4). When the layer has seen ``calibration_steps``
-backward passes, each tensor's pattern is the majority vote of its labels (a tie between the
-leaders gives "none": without a clear majority we make no structural claim), and the patterns
-stay frozen for the rest of training.
+detector scores and the energy share of the top-k rows and columns, so that a future policy can use
+more than the labels (docs/method.md, 'Calibration'). When the layer has seen ``calibration_steps``
+backward passes, each tensor's pattern is the majority vote of its labels (a tie between the leaders
+gives "none": without a clear majority we make no structural claim), and the patterns stay frozen
+for the rest of training.
 
 Everything here is plain Python data, so it goes into a ``state_dict`` (extra state) that loads
 with ``torch.load(weights_only=True)`` and dumps to JSON.

@@ -1,4 +1,5 @@
-"""Outlier-pattern detector (SPEC.md section 3; the AdaHOP reference's statistic).
+"""Outlier-pattern detector (the AdaHOP reference's statistic; docs/method.md, 'Outlier patterns and
+their detection').
 
 A 2-D operand (X as [T, K], W as [N, K], G as [T, N]; more dims are flattened into rows) is
 **row**-wise when a few rows carry the large values, **col**-wise when a few columns do, and

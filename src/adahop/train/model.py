@@ -33,13 +33,14 @@ Pieces:
 * **Tied embeddings** (``tie_embeddings=True``, as Llama-3.2-1B): ``output.weight`` *is*
   ``tok_embeddings.weight``.
 
-Precision (SPEC.md section 1): the seven linears of each block (wq, wk, wv, wo, w1, w2, w3) are
-what ``adahop.convert_to_adahop_training`` converts to MXFP4 training; the embedding, the norms,
-attention's own matmuls and the LM head ``output`` stay in high precision (``output`` is skipped
-by name by the default filter, and when tied its weight is the embedding's). Under
-``torch.autocast(..., dtype=torch.bfloat16)`` the logits come out in bf16; upcast them for the
-loss. The residual stream stays float32 (the embedding's dtype) in that case. Prefer autocast to
-``model.to(torch.bfloat16)``, which would round the RoPE tables to bf16 too.
+Precision (docs/method.md, 'The three GEMMs of a linear layer'): the seven linears of each block
+(wq, wk, wv, wo, w1, w2, w3) are what ``adahop.convert_to_adahop_training`` converts to MXFP4
+training; the embedding, the norms, attention's own matmuls and the LM head ``output`` stay in
+high precision (``output`` is skipped by name by the default filter, and when tied its weight is
+the embedding's). Under ``torch.autocast(..., dtype=torch.bfloat16)`` the logits come out in
+bf16; upcast them for the loss. The residual stream stays float32 (the embedding's dtype) in that
+case. Prefer autocast to ``model.to(torch.bfloat16)``, which would round the RoPE tables to bf16
+too.
 
 Big models: build them on the meta device (``with torch.device("meta"): Llama(cfg)``) to count
 parameters without memory, or materialise with ``model.to_empty(device=...)`` followed by
