@@ -1,9 +1,10 @@
 """Counter-based random bits for stochastic rounding, the same bits on every backend.
 
 Stochastic rounding (SR) must be reproducible (a seed gives the same codes on the CPU reference,
-under the Triton interpreter and on the GPU) and cheap in a kernel (``tl.rand``'s Philox is 5x too
-slow for a memory-bound quantize pass, SPEC.md section 7). So the random bits are a stateless hash
-of (seed, element counter); two neighbouring elements share one 32-bit hash, 16 bits each:
+under the Triton interpreter and on the GPU) and cheap in a kernel: with ``tl.rand``'s Philox a
+Hadamard + MXFP4 quantize pass measured 5x slower on the H200 (0.27 against 1.46 TB/s; see
+docs/kernels.md, 'Stochastic rounding in kernels'). So the random bits are a stateless hash of
+(seed, element counter); two neighbouring elements share one 32-bit hash, 16 bits each:
 
     pair = counter >> 1
     key  = lowbias32(seed ^ lowbias32(pair >> 32))
@@ -12,9 +13,7 @@ of (seed, element counter); two neighbouring elements share one 32-bit hash, 16 
 
 Sixteen bits resolve a rounding probability to 2**-16 (``formats.mxfp4``: the bias is under
 2**-17 of a grid step), and one hash per two elements halves the integer work of the kernels
-(an integer multiply is half the FP32 rate on Hopper). Before 2026-12 each element had its own
-hash and a 24-bit uniform; the H200 runs before then used that stream (same distribution,
-different draws).
+(an integer multiply is half the FP32 rate on Hopper).
 
 ``lowbias32`` is Chris Wellons' 32-bit integer hash (two multiply-xorshift rounds; it passes the
 usual avalanche tests and costs a handful of integer ops). The counter of an element is its flat

@@ -3,12 +3,12 @@ helpers every launching function uses (``cdiv``, ``next_power_of_2``, ``dummy_po
 ``nan_bytes_view``).
 
 An AdaHOP linear makes about a dozen Triton launches per forward + backward. Below the largest
-shapes the layer is bound by the host, not the GPU: at (N, K) = (2048, 768), T = 16384 on the
-H200 its kernels take 0.65 ms and enqueueing them 3.2-4.0 ms (benchmarks/results/
-hopper_h200_2026-12-01_s6). Triton 3.6's ``kernel[grid](...)`` spends about 45 us of that per
-launch before the driver call (cProfile on the H200's host): it binds the arguments, computes
-each one's specialization (type, 16-byte alignment, divisibility by 16) and hashes them into the
-cache key of the compiled kernel.
+shapes the layer is bound by the host, not the GPU: at (N, K) = (2048, 768), T = 16384 on the H200
+its kernels take 0.65 ms and enqueueing them 3.2-4.0 ms (docs/kernels.md, 'Host time and the
+launcher'). Triton 3.6's ``kernel[grid](...)`` spends about 45 us of that per launch before the
+driver call (cProfile on the H200's host): it binds the arguments, computes each one's
+specialization (type, 16-byte alignment, divisibility by 16) and hashes them into the cache key of
+the compiled kernel.
 
 ``FastLauncher`` keeps Triton's compiled kernels and skips that step for call signatures it has
 seen: its own key is a tuple with, per argument, at least what Triton specializes on (a tensor's
@@ -21,9 +21,9 @@ Triton would have picked.
 
 It falls back to Triton's path under the interpreter (``TRITON_INTERPRET=1``: no compiled
 kernel), when a launch hook is installed (profilers), and for arguments of other kinds.
-Measured on the H200 (session 7, docs/design.md): enqueueing the (2048, 768) layer's forward +
-backward went from 3.02 to 2.16 ms in the run where it took effect (together with one launch
-fewer: a single chunk for rows up to 2,048).
+Measured on the H200 at the (2048, 768) layer above: enqueueing its forward + backward takes
+3.02 ms without it and 2.16 ms with it and one launch fewer (a single chunk for rows up to
+2,048), the two measured together.
 """
 
 from __future__ import annotations

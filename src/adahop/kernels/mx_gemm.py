@@ -10,8 +10,9 @@ reference MXFP4 GEMM (dequantize, float32 matmul) up to float32 accumulation ord
 
 Hardware. On GPUs with MX tensor cores (NVIDIA compute capability 10.x/12.x, AMD gfx950) Triton
 lowers ``tl.dot_scaled`` to the native block-scaled MMA. On Hopper it decomposes it into an
-upcast to BF16 and a BF16 MMA: 108 TFLOP/s, 0.15x a cuBLAS BF16 GEMM (run 26): correct,
-and how we test this kernel on the H200, but never chosen there (``ops.backends`` gates it).
+upcast to BF16 and a BF16 MMA: 108 TFLOP/s at 8192^3 on the H200, 0.15x a cuBLAS BF16 GEMM
+(``benchmarks/bench_hopper.py --sections mx``): correct, and how we test this kernel on the H200,
+but never chosen there (``ops.backends`` gates it; docs/kernels.md, 'The native MX GEMM').
 
 Edges. Rows past M or N and K past KP load code 0 with scale byte 127 (the value 0), so ragged
 tiles need no special case. A NaN block (scale byte 0xFF) makes its dot products NaN, as in the

@@ -99,8 +99,8 @@ def _grid_exponent_bits(abits):
     """float32 bits of 2**max(E, 0), E the exponent of a >= 0 (bits ``abits``): 1 below 2, then
     2 and 4. The E2M1 grid spacing at a is half that (0.5 below 2, 1 below 4, 2 up to 6). One
     AND and one max on the bits, no comparison: selects on ``a < 2`` and ``a < 4`` cost 32
-    predicates per thread that Hopper (7 predicate registers) kept in integer registers and
-    unpacked one by one (``benchmarks/sass_count.py``)."""
+    predicates per thread that Hopper (7 predicate registers) keeps in integer registers and
+    unpacks one by one (``benchmarks/sass_count.py``)."""
     return tl.maximum(abits & 0x7F800000, 127 << 23)
 
 

@@ -5,8 +5,8 @@ dim, given by strides, so one kernel quantizes ``x_TK`` along K (strides (K, 1))
 (the view ``x.t()``, strides (1, K)) without a transpose copy. Each program owns ``BLOCK_R`` rows
 and a range of K (all of it, unless the operand has too few rows to fill the GPU: then K is
 split over several programs), walked in chunks of ``BLOCK_K``; per chunk it loads, signs,
-transforms, takes block maxima, and rounds, exactly as the reference (``kernels.mxfp4_math``). Outputs (all row-major, K padded
-to ``KP``, a multiple of max(32, Hadamard size)):
+transforms, takes block maxima, and rounds, exactly as the reference (``kernels.mxfp4_math``).
+Outputs (all row-major, K padded to ``KP``, a multiple of max(32, Hadamard size)):
 
 * packed codes ``[R, KP/2]`` uint8 and scale bytes ``[R, KP/32]`` uint8: ``MXFP4Tensor``'s layout,
   bit-identical to ``ops.operand.quantize_operand`` (what is saved for the backward);
@@ -144,13 +144,14 @@ def _store_per_block(ptrs, values, mask, BLOCK_R: tl.constexpr, NB: tl.constexpr
     thread that holds the block's element 0 in the ``[BLOCK_R, NB, 32]`` block tile.
 
     Stored as a ``[BLOCK_R, NB]`` tensor, the values would pull the whole chunk (the butterfly
-    included) into that store's layout, as the row maximum did (``_store_row_exponent``): 226
+    included) into that store's layout, as a per-row value does (``_store_row_exponent``): 226
     warp shuffles per 16 x 256 chunk. Broadcast back over the block (each thread already holds
     its block's reduced value) and stored under ``j == 0``, they need no shuffles: the packed
-    quantize went 1,848 -> 1,336 SASS instructions (``benchmarks/sass_count.py``; ``j == 0`` is
-    false at compile time for all but one register of a thread, so one predicated store remains
-    per block), 1.5-1.8x faster on the H200. Triton still computes the chunk's butterfly a
-    second time for this store's layout (docs/design.md)."""
+    quantize takes 1,336 SASS instructions instead of 1,848 (``benchmarks/sass_count.py``;
+    ``j == 0`` is false at compile time for all but one register of a thread, so one predicated
+    store remains per block), 1.5-1.8x faster on the H200 for [16384, 4096] and [16384, 14336]
+    operands. Triton still computes the chunk's butterfly a second time for this store's layout
+    (docs/kernels.md, 'Layout rules for Triton')."""
     j = tl.arange(0, 32)[None, None, :]
     v = tl.broadcast_to(values[:, :, None], (BLOCK_R, NB, 32))
     tl.store(ptrs[:, :, None] + 0 * j, v, mask=mask[:, :, None] & (j == 0))
@@ -242,9 +243,10 @@ def _store_row_exponent(epart_ptr, e_rowmax, e, rows, row_ok, last, BLOCK_R: tl.
     into. A per-row value stored as such pulls the whole chunk (the Hadamard butterfly
     included) into one element per lane, which costs ~220 warp shuffles per chunk; routed back
     through the ``[BLOCK_R, BLOCK_K / 32, 32]`` block tile and stored as 16 contiguous bytes, it
-    keeps the layout of the emit pass (a block over two lanes): 1,256 -> 544 SASS instructions
-    for the first pass (``benchmarks/sass_count.py``), 0.236 -> 0.165 ms for the e4m3 quantize
-    of x [16384, 4096] on the H200 (benchmarks/results/hopper_h200.md, runs 17 and 20)."""
+    keeps the layout of the emit pass (a block over two lanes): 544 SASS instructions for the
+    first pass instead of 1,256 (``benchmarks/sass_count.py``), and 0.165 ms instead of 0.236 for
+    the e4m3 quantize of x [16384, 4096] on the H200 (docs/kernels.md, 'Layout rules for
+    Triton')."""
     NB: tl.constexpr = BLOCK_K // 32
     t = tl.broadcast_to((e_rowmax[:, None] + 127 + 0 * e)[:, :, None], (BLOCK_R, NB, 32))
     t = tl.reshape(t, (BLOCK_R, BLOCK_K)).to(tl.uint8)
@@ -319,11 +321,11 @@ _QUANTIZE = FastLauncher(_mxfp4_quantize_kernel)
 # Launch configurations by (quantization dim of the 2-D operand, e4m3 output?): block_r rows per
 # program, block_k columns per chunk, warps, the longest padded row handled in one chunk (one
 # read and one launch instead of two for the e4m3 form), the butterfly form and the E2M1 encoder.
-# Measured on the H200 (benchmarks/results/): 16 x 256 with 4 warps and the in-place butterfly was
-# the fastest for 4 of the 5 variants (run 11); the arithmetic RNE encoder beat the compare chain
-# in every variant (run 14: IHT e4m3 0.334 -> 0.277 ms; SR is always arithmetic: ``e2m1_sr``).
-# One chunk per row: slower for every operand of the (14336, 4096) layer (rows of 4,096-16,384,
-# run 22), faster for rows of 768-2,048 at (2048, 768) (session 7 run 2: 0.062-0.103 ms against
+# Measured on the H200 with x [16384, 4096] bf16 (docs/kernels.md, 'The quantize kernels'): 16 x 256
+# with 4 warps and the in-place butterfly is the fastest for 4 of the 5 variants; the arithmetic RNE
+# encoder beats the compare chain in every variant (IHT e4m3 along K: 0.277 ms against 0.334; SR is
+# always arithmetic: ``e2m1_sr``). One chunk per row: slower for every operand of the (14336, 4096)
+# layer (rows of 4,096-16,384), faster for rows of 768-2,048 at (2048, 768) (0.062-0.103 ms against
 # 0.112-0.144 ms for the two passes, with 8,192 elements per program), hence up to 2,048.
 DEFAULT_LAUNCH = dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=2048, fwht_inplace=True, arith_e2m1=True)
 SINGLE_CHUNK_ELEMENTS = 8192  # per program, when a row is one chunk

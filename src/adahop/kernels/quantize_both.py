@@ -16,9 +16,9 @@ R. Two launches, as the one-orientation form:
   (``_partial_max_kernel``) reduces those of both orientations to each row's maximum;
 * PHASE 2 reads the tile again and emits both e4m3 forms and row scales.
 
-(An atomic max into one int32 per row, in place of the partial maxima and their reductions, made
+(An atomic max into one int32 per row, in place of the partial maxima and their reductions, makes
 PHASE 1 slower: Triton gives atomics a layout of one element per thread, which pulls the tile and
-its butterfly into it; 856 -> 1,280 SASS instructions for g's PHASE 1.)
+its butterfly into it; 1,280 SASS instructions for g's PHASE 1 instead of 856.)
 
 Optionally (``row_norms`` / ``col_norms``) PHASE 1 also sums the squares of x's rows and/or
 columns (the values as given, in float32): each tile writes its partial sums, torch adds them and
@@ -146,7 +146,7 @@ def _partial_max_kernel(pa_ptr, oa_ptr, na, Ra, pb_ptr, ob_ptr, nb, Rb, programs
     ``programs_a``) and, with ``HAS_B``, orientation B (the others): one launch for both, in
     place of a ``torch.amax`` per orientation over a byte-strided view (which read these bytes at
     about half the bandwidth: 0.067 ms for the three reductions of a (14336, 4096) layer's x
-    and g on the H200, session 10)."""
+    and g at T = 16384 on the H200)."""
     pid = tl.program_id(0)
     if HAS_B and pid >= programs_a:
         _partial_max(pb_ptr, ob_ptr, nb, Rb, pid - programs_a, BLOCK, PARTS)

@@ -4,8 +4,8 @@ ascending index order, in one launch.
 Outlier extraction ranks a GEMM operand's outer slices by L2 norm and sends the k largest to a
 high-precision GEMM. ``torch.topk`` followed by a sort of the indices takes two launches plus
 small ones: 0.089 ms for n = 16384 on the H200 (a single-block radix select and a sort); this
-kernel takes one launch, 0.034 ms (0.019 ms for n = 4096; session 7, run 1; 0.031 and 0.014 ms
-with the keys alone in registers, session 11).
+kernel takes one launch, 0.031 ms (0.014 ms for n = 4096; docs/kernels.md, 'Outlier selection
+(top-k)').
 
 Selection rule (``ops.outliers.largest_k``, the reference): the k largest values, NaN
 above +inf, ties at the k-th value broken by the lower index. One program, no atomics, so the
@@ -92,8 +92,8 @@ def _topk_kernel(v_ptr, out_ptr, n, k, BLOCK: tl.constexpr, ONE_BLOCK: tl.conste
 
 _TOPK = FastLauncher(_topk_kernel)
 # Values held in registers: up to 64 per thread, with 4, 8 or 16 warps. 32,768 covers OE's
-# selection over the tokens of a 64 x 512 batch in one read; the re-read path for it took 0.122
-# to 0.143 ms on the H200 (session 11), against 0.031 ms for 16,384 values held.
+# selection over the tokens of a 64 x 512 batch in one read; the re-read path for it takes 0.122
+# to 0.143 ms on the H200, against 0.031 ms for 16,384 values held.
 MAX_BLOCK = 32768
 
 

@@ -5,12 +5,13 @@
 reference's (dequantize + float32 matmul). It runs wherever Triton runs, the CPU interpreter
 included (``TRITON_INTERPRET=1``), which is how CI checks the kernels inside the whole layer.
 
-``hopper_fp8``: exact MXFP4 GEMMs on FP8 tensor cores (SPEC.md section 7). The quantize kernel
-emits each operand as float8 e4m3 elements plus one float32 scale per row, with every MXFP4 value
-``e2m1 * 2**e_block`` written as ``(e2m1 * 2**(e_block - e_rowmax + 6)) * 2**(e_rowmax - 6)``;
-the e4m3 element is exact while the block is within 14 binades of its row's largest (beyond, it
-is rounded: an error below 2**-15 of the row maximum). ``torch._scaled_mm`` with row-wise scales
-then computes ``sum_k a_e4m3 b_e4m3`` (products exact in fp32, fp32 accumulation with
+``hopper_fp8``: exact MXFP4 GEMMs on FP8 tensor cores (docs/method.md, 'MXFP4 on Hopper's FP8
+tensor cores'). The quantize kernel emits each operand as float8 e4m3 elements plus one float32
+scale per row, with every MXFP4 value ``e2m1 * 2**e_block`` written as
+``(e2m1 * 2**(e_block - e_rowmax + 6)) * 2**(e_rowmax - 6)``; the e4m3 element is exact while
+the block is within 14 binades of its row's largest (beyond, it is rounded: an error below 2**-15
+of the row maximum). ``torch._scaled_mm`` with row-wise scales then computes
+``sum_k a_e4m3 b_e4m3`` (products exact in fp32, fp32 accumulation with
 ``use_fast_accum=False``) times ``scale_a[m] * scale_b[n]`` (powers of two: exact), so the result
 is the MXFP4 GEMM up to fp32 accumulation order. Row-wise ``_scaled_mm`` writes bf16, and float32
 where cuBLAS runs it (sm_90; the layer's weight gradient); where torch refuses float32 with
@@ -25,10 +26,9 @@ Outlier extraction: the slices are chosen by ``kernels.topk`` (one launch instea
 ``quantize_both`` / ``quantize_and_pack`` read the tensor anyway, from norms that kernel summed
 (the same L2 norms up to the order of the float additions, as the GEMMs are the reference's up
 to accumulation order: a slice could only be swapped for another whose norm is equal to within
-float32 rounding). The caller overwrites the output
-slices of the extracted rows/columns with their high-precision result, and MXFP4 quantizes each
-outer slice on its own, so zeroing those slices first (``zero_outer``) cannot change the result:
-these backends skip it (one pass less).
+float32 rounding). The caller overwrites the output slices of the extracted rows/columns with
+their high-precision result, and MXFP4 quantizes each outer slice on its own, so zeroing those
+slices first (``zero_outer``) cannot change the result: these backends skip it (one pass less).
 
 ``hopper_fp8`` also quantizes a tensor both ways from one kernel (``kernels.quantize_both``):
 the backward's gradient (``quantize_both``) and the forward's activation (``quantize_and_pack``).
@@ -156,13 +156,13 @@ class HopperFP8Backend:
         a, b = self._two_ways(x, spec_cols, spec_rows, "e4m3", row_norms=row_norms)
         return E4M3Operand(a["e4m3"], a["row_scale"]), E4M3Operand(b["e4m3"], b["row_scale"]), a.get("norms")
 
-    # x [T, K] both ways from one kernel only from this K up. Measured on the H200 at T = 16384
-    # (benchmarks/results/hopper_h200_2026-12-01_s9, bench_hopper --sections bothx), fused
-    # against two calls: K = 768: 0.156 / 0.130 ms, 2048: 0.160 / 0.151, 4096: 0.259 / 0.273,
-    # 8192: 0.505 / 0.526, 14336: 0.871 / 0.912. Up to K = 2048 a row fits one chunk of the
-    # e4m3 kernel (one read, one launch), so the two calls read x twice in two launches, as
-    # the fused kernel does, and without its row-maximum reduction between them. Between 2048
-    # and 4096 nothing was measured; those sizes take the two calls too.
+    # x [T, K] both ways from one kernel only from this K up (docs/kernels.md, 'Both orientations in
+    # one kernel (quantize_both)'). Measured on the H200 at T = 16384 (``benchmarks/bench_hopper.py
+    # --sections bothx``), fused against two calls: K = 768: 0.156 / 0.130 ms, 2048: 0.160 / 0.151,
+    # 4096: 0.259 / 0.273, 8192: 0.505 / 0.526, 14336: 0.871 / 0.912. Up to K = 2048 a row fits one
+    # chunk of the e4m3 kernel (one read, one launch), so the two calls read x twice in two
+    # launches, as the fused kernel does, and without its row-maximum reduction between them.
+    # Between 2048 and 4096 nothing was measured; those sizes take the two calls too.
     FUSED_X_MIN_K = 4096
 
     def quantize_and_pack(self, x, spec_cols: OperandSpec, spec_rows: OperandSpec, col_norms: bool = False):
@@ -218,9 +218,9 @@ class HopperFP8Backend:
 class NativeMXBackend(TritonBackend):
     """``triton``'s packed operands into ``tl.dot_scaled`` (``kernels.mx_gemm``) instead of the
     reference GEMM: GPUs with MX tensor cores. ``ops.backends`` never offers it on Hopper, where
-    ``tl.dot_scaled`` is emulated through BF16 (0.15x cuBLAS BF16 on the H200, measured). The
-    class itself runs wherever Triton does (the CPU interpreter with an in-kernel decode in place
-    of the MMA), which is how it is tested."""
+    ``tl.dot_scaled`` is emulated through BF16 (0.15x cuBLAS BF16 at 8192^3 on the H200, measured;
+    docs/kernels.md, 'The native MX GEMM'). The class itself runs wherever Triton does (the CPU
+    interpreter with an in-kernel decode in place of the MMA), which is how it is tested."""
 
     name = "native_mx"
 

@@ -1,9 +1,9 @@
 """``torch.compile`` for training: each transformer block compiled on its own (torchtitan's way).
 
 Why: with eager PyTorch, a training step of the 1B model spends more time in small elementwise
-kernels than in its GEMMs (H200, session 8: ~300 of 546 ms per step were the fp32 residual adds,
-casts and copies, RMSNorm, RoPE and SwiGLU's product, each its own kernel reading and writing the
-whole activation; the same in every recipe). Inductor fuses those chains into a few kernels.
+kernels than in its GEMMs (profiled on the H200: ~300 of 546 ms per step were the fp32 residual
+adds, casts and copies, RMSNorm, RoPE and SwiGLU's product, each its own kernel reading and writing
+the whole activation; the same in every recipe). Inductor fuses those chains into a few kernels.
 
 What is compiled: every ``TransformerBlock`` of a ``Llama``, in place (``nn.Module.compile``), so
 the module tree, the state_dict keys and therefore checkpoints are those of the eager model. The
