@@ -5,8 +5,10 @@ the contraction dim, in float32, and computes the k largest in high precision. T
 by every backend so that they pick the same slices: the k largest norms, NaN above +inf, ties at
 the k-th norm broken by the lower index; indices returned sorted. ``largest_k`` is the
 reference (a stable sort); ``kernels.topk`` computes the same set in one launch, which the
-Triton backends use. The norms are ``torch.linalg.vector_norm`` on every backend, so a backend
-that only changes the selection picks exactly the reference's slices.
+Triton backends use. The reference's norms are ``torch.linalg.vector_norm`` (``outer_norms``);
+where a Triton quantize kernel reads the operand anyway, it sums the norms itself (the same
+norms up to the order of the float additions: ``ops.kernel_backends``), else those backends
+take ``outer_norms`` too (docs/method.md, 'Outlier extraction (OE)').
 """
 
 from __future__ import annotations
