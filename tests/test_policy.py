@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from adahop.config import AdaHOPConfig, GemmConfig
+from adahop.patterns.detect import PATTERNS
 from adahop.policy import (
     check_modes,
     flip,
@@ -14,36 +15,82 @@ from adahop.policy import (
     table_policy,
 )
 
-# SPEC.md section 4, written out by hand: (A pattern, B pattern) -> (Lv1 mode, Lv2 mode)
-EXPECTED_TABLE = {
-    ("row", "row"): ("iht", "iht"),
-    ("row", "none"): ("iht+oe_left", "iht+oe_left"),
-    ("row", "col"): ("iht+oe_right", "iht+oe_right"),
-    ("none", "row"): ("iht", "iht"),
-    ("none", "none"): ("iht", "iht"),
-    ("none", "col"): ("iht+oe_right", "iht+oe_right"),
-    ("col", "row"): ("iht", "iht"),
-    ("col", "none"): ("iht", "iht"),
-    ("col", "col"): ("iht+oe_right", "bf16"),
-}
+PATTERN_NAMES = ("row", "none", "col")
+LEVELS = ("lv1", "lv2")
+
+# The paper's strategy table (docs/method.md, 'Strategy per GEMM'), as the paper prints it. For
+# C = A B, rows are pat(A) and columns pat(B); for A, "row" means outer-dim (M) outliers, for B,
+# "row" means inner-dim ones.
+PAPER_TABLE = r"""
+    A\B    row   none          col
+    row    IHT   IHT+OE-left   IHT+OE-right
+    none   IHT   IHT           IHT+OE-right
+    col    IHT   IHT           Lv2:BF16;Lv1:IHT+OE-right
+"""
+PAPER_MODE_NAMES = {"IHT": "iht", "IHT+OE-left": "iht+oe_left", "IHT+OE-right": "iht+oe_right", "BF16": "bf16"}
+
+
+def parse_paper_table(text: str) -> dict[tuple[str, str], dict[str, str]]:
+    """{(pat(A), pat(B)): {level: mode}} from the table above."""
+    header, *rows = (line.split() for line in text.strip().splitlines())
+    table = {}
+    for a, *cells in rows:
+        for b, cell in zip(header[1:], cells):
+            per_level = dict(part.split(":") for part in cell.split(";")) if ":" in cell else {}
+            table[(a, b)] = {lv: PAPER_MODE_NAMES[per_level.get(lv.capitalize(), cell)] for lv in LEVELS}
+    return table
+
+
+PAPER = parse_paper_table(PAPER_TABLE)
+TRANSPOSED = {"row": "col", "col": "row", "none": "none"}  # the pattern of a transposed tensor
+
+
+def paper_modes(x: str, w: str, g: str, level: str) -> dict[str, str]:
+    """The paper's mode of each GEMM, derived here: y = x w^T, dx = g w, dw = g^T x read as C = A
+    B give the pairs fprop (pat(x), flip(pat(w))), dgrad (pat(g), pat(w)), wgrad (flip(pat(g)),
+    pat(x)); OE-left in wgrad would need x in high precision, which is not kept: IHT there."""
+    pairs = {"fprop": (x, TRANSPOSED[w]), "dgrad": (g, w), "wgrad": (TRANSPOSED[g], x)}
+    modes = {gemm: PAPER[pair][level] for gemm, pair in pairs.items()}
+    if modes["wgrad"] == "iht+oe_left":
+        modes["wgrad"] = "iht"
+    return modes
+
+
+ALL_TRIPLES = [(x, w, g) for x in PATTERN_NAMES for w in PATTERN_NAMES for g in PATTERN_NAMES]
 RECIPE_NAMES = ("bf16", "mxfp4", "mxfp4_iht", "tseng", "adahop_lv2", "adahop_lv1")
 
 
 # ----------------------------------------------------------------------------- table
 
 
-@pytest.mark.parametrize("pair", sorted(EXPECTED_TABLE))
-@pytest.mark.parametrize("level", ["lv1", "lv2"])
+def test_paper_table_parses_to_nine_pairs():
+    assert set(PATTERNS) == set(PATTERN_NAMES)
+    assert set(PAPER) == {(a, b) for a in PATTERN_NAMES for b in PATTERN_NAMES}
+    assert PAPER[("row", "none")] == {"lv1": "iht+oe_left", "lv2": "iht+oe_left"}
+    assert PAPER[("col", "col")] == {"lv1": "iht+oe_right", "lv2": "bf16"}
+    assert PAPER[("none", "col")] == {"lv1": "iht+oe_right", "lv2": "iht+oe_right"}
+
+
+@pytest.mark.parametrize("pair", sorted(PAPER))
+@pytest.mark.parametrize("level", LEVELS)
 def test_table_entry(pair, level):
-    lv1, lv2 = EXPECTED_TABLE[pair]
-    assert table_mode(pair, level) == (lv1 if level == "lv1" else lv2)
+    assert table_mode(pair, level) == PAPER[pair][level]
 
 
-def test_table_covers_all_nine_pairs():
-    assert len(EXPECTED_TABLE) == 9
-    for a in ("row", "none", "col"):
-        for b in ("row", "none", "col"):
-            assert (a, b) in EXPECTED_TABLE
+@pytest.mark.parametrize("level", LEVELS)
+def test_table_covers_all_nine_pairs(level):
+    """The library's strategy, through modes_from_patterns and table_policy, is the paper's for
+    all 27 pattern triples (x, w, g): with the flips and the wgrad fallback, and every one of
+    the nine pairs reaches every GEMM (each GEMM's pair is a one-to-one function of the triple)."""
+    reached = {gemm: set() for gemm in ("fprop", "dgrad", "wgrad")}
+    for x, w, g in ALL_TRIPLES:
+        patterns = {"x": x, "w": w, "g": g}
+        got = modes_from_patterns(patterns, level)
+        assert got == paper_modes(x, w, g, level), patterns
+        assert table_policy({r: {"pattern": p} for r, p in patterns.items()}, level) == got
+        for gemm, pair in gemm_pattern_pairs(patterns).items():
+            reached[gemm].add(pair)
+    assert all(pairs == set(PAPER) for pairs in reached.values())
 
 
 @pytest.mark.parametrize("level", ["lv3", "", None, "LV2"])
@@ -163,7 +210,7 @@ def test_every_recipe_builds():
         assert isinstance(cfg, AdaHOPConfig) and cfg.recipe == name
         for g in ("fprop", "dgrad", "wgrad"):
             assert isinstance(cfg.gemm(g), GemmConfig)
-        # SPEC section 5: SR for G (left operand of dgrad and wgrad), RNE for X in fprop
+        # docs/method.md, 'Stochastic rounding': SR for G (A of dgrad and wgrad), RNE for X and W
         assert cfg.dgrad.a_rounding == "sr" and cfg.wgrad.a_rounding == "sr"
         assert cfg.fprop.a_rounding == "rne"
 
