@@ -9,11 +9,11 @@ import math
 
 import pytest
 import torch
+from tiny_lm import TinyLM, batches, encode_bytes, lm_loss, load_corpus
 from torch import nn
 
 import adahop
 from adahop import AdaHOPConfig, AdaHOPLinear
-from tiny_lm import TinyLM, batches, encode_bytes, lm_loss, load_corpus
 
 RECIPES = tuple(adahop.RECIPES)
 ADAPTIVE = tuple(r for r in RECIPES if AdaHOPConfig.from_recipe_name(r).adaptive)
@@ -103,7 +103,8 @@ def test_module_filter_fn():
 
     # a custom filter may also convert the head (the default would not)
     model = tiny()
-    adahop.convert_to_adahop_training(model, config=AdaHOPConfig.from_recipe_name("bf16"), module_filter_fn=lambda m, n: True)
+    cfg = AdaHOPConfig.from_recipe_name("bf16")
+    adahop.convert_to_adahop_training(model, config=cfg, module_filter_fn=lambda m, n: True)
     assert isinstance(model.lm_head, AdaHOPLinear)
 
 
@@ -145,7 +146,8 @@ def test_bare_linear_is_converted_and_returned(bias):
     assert torch.isfinite(y).all() and not torch.equal(y, lin(x))  # really quantized
     # a filter refusing it leaves it alone
     lin2 = nn.Linear(8, 8)
-    assert adahop.convert_to_adahop_training(lin2, config=AdaHOPConfig.from_recipe_name("mxfp4"), module_filter_fn=lambda m, n: False) is lin2
+    cfg = AdaHOPConfig.from_recipe_name("mxfp4")
+    assert adahop.convert_to_adahop_training(lin2, config=cfg, module_filter_fn=lambda m, n: False) is lin2
 
 
 def test_convert_refuses_bad_arguments():
@@ -215,22 +217,54 @@ def test_state_dict_round_trip(recipe, tmp_path):
 
 
 def test_state_dict_round_trip_mid_calibration(tmp_path):
-    """A checkpoint taken while calibrating resumes the vote: it does not restart it."""
-    model, cfg = calibrated_tiny("adahop_lv2", steps_after=0, calibration_steps=4)  # 4 of 4 done
-    model2 = tiny()
-    cfg4 = AdaHOPConfig.from_recipe_name("adahop_lv2", calibration_steps=4).with_gemm_settings(oe_k=4)
-    adahop.convert_to_adahop_training(model2, config=cfg4)
-    step(model2, *fixed_batch(seed=100))
-    step(model2, *fixed_batch(seed=101))
-    torch.save(model2.state_dict(), tmp_path / "mid.pt")
-    resumed = tiny(seed=3)
-    adahop.convert_to_adahop_training(resumed, config=cfg4)
+    """A checkpoint taken while calibrating resumes the vote, it does not restart it: the model
+    that went on and the one resumed from its checkpoint take the same steps (two calibration
+    steps to the freeze, then two quantized ones with stochastic rounding) with the same
+    calibration state, modes, logits and gradients, bit for bit."""
+    cfg = AdaHOPConfig.from_recipe_name("adahop_lv2", calibration_steps=4).with_gemm_settings(oe_k=4)
+    model = tiny()
+    adahop.convert_to_adahop_training(model, config=cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for i in range(2):
+        opt.zero_grad()
+        step(model, *fixed_batch(seed=100 + i))
+        opt.step()
+    torch.save(model.state_dict(), tmp_path / "mid.pt")
+    resumed = tiny(seed=3)  # other initial weights: everything must come from the checkpoint
+    adahop.convert_to_adahop_training(resumed, config=cfg)
     resumed.load_state_dict(torch.load(tmp_path / "mid.pt", weights_only=True))
+    opt_resumed = torch.optim.SGD(resumed.parameters(), lr=0.05)
     for layer in adahop.adahop_layers(resumed).values():
         assert layer.calibrating and layer.calibration.steps == 2
-    step(resumed, *fixed_batch(seed=102))
-    step(resumed, *fixed_batch(seed=103))
-    assert adahop.is_calibrated(resumed)
+
+    def same_state():
+        old, new = adahop.adahop_layers(model), adahop.adahop_layers(resumed)
+        assert old.keys() == new.keys()
+        for fqn in old:
+            assert new[fqn].get_extra_state() == old[fqn].get_extra_state(), fqn
+        for (name, p), (name2, q) in zip(model.named_parameters(), resumed.named_parameters()):
+            assert name == name2 and torch.equal(p, q), name
+
+    same_state()
+    for i in range(2, 6):
+        inputs, targets = fixed_batch(seed=100 + i)
+        outs = []
+        for m, o in ((model, opt), (resumed, opt_resumed)):
+            o.zero_grad(set_to_none=True)
+            logits = m(inputs)
+            nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+            outs.append((logits.detach(), grads_of(m)))
+            o.step()
+        (y_old, g_old), (y_new, g_new) = outs
+        assert torch.equal(y_old, y_new), f"step {i}: logits differ"
+        assert g_old.keys() == g_new.keys() and len(g_old) > 0
+        for k in g_old:
+            assert torch.equal(g_old[k], g_new[k]), (i, k)
+        same_state()
+        assert adahop.is_calibrated(resumed) == (i >= 3)  # frozen by the 4th backward pass
+    for layer in adahop.adahop_layers(resumed).values():
+        assert layer.calibration.steps == 4 and layer.calls == 6
+        assert any(mode != "bf16" for mode in layer.modes.values())  # the last steps quantized
 
 
 def test_unconverted_state_dict_loads_into_converted_model():
