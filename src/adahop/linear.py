@@ -44,6 +44,7 @@ from adahop.formats.rng import mix_seeds, mix_seeds_from
 from adahop.ops.backends import get_backend
 from adahop.ops.operand import OperandSpec
 from adahop.patterns.calibration import LayerCalibration, observe_tensor
+from adahop.patterns.detect import check_patterns
 from adahop.policy import GEMMS, check_modes, table_policy
 
 EXTRA_STATE_VERSION = 1
@@ -85,7 +86,7 @@ class LayerPlan:
     dgrad: GemmPlan
     wgrad: GemmPlan
     backend: object
-    layer: "AdaHOPLinear | None" = None  # set while calibrating: receives the observations
+    layer: AdaHOPLinear | None = None  # set while calibrating: receives the observations
     needs_backward: bool = True  # False under no_grad / inference: nothing is saved for wgrad
 
 
@@ -284,7 +285,7 @@ class AdaHOPLinear(nn.Linear):
         self._register_load_state_dict_pre_hook(self._fill_missing_extra_state, with_module=False)
 
     @classmethod
-    def from_float(cls, mod: nn.Linear, *, config: AdaHOPConfig, name: str = "") -> "AdaHOPLinear":
+    def from_float(cls, mod: nn.Linear, *, config: AdaHOPConfig, name: str = "") -> AdaHOPLinear:
         """Wrap ``mod`` (built on the meta device, then given ``mod``'s own parameters)."""
         if not isinstance(mod, nn.Linear):
             raise ValueError(f"from_float takes an nn.Linear, got {type(mod).__name__}")
@@ -323,8 +324,9 @@ class AdaHOPLinear(nn.Linear):
 
     def set_modes(self, modes: dict, patterns: dict | None = None) -> None:
         """Freeze the layer's modes (e.g. loaded from JSON): no calibration afterwards."""
-        self.modes = check_modes(modes)
-        self.patterns = dict(patterns) if patterns is not None else self.patterns
+        modes = check_modes(modes)
+        patterns = check_patterns(patterns) if patterns is not None else self.patterns
+        self.modes, self.patterns = modes, patterns
 
     # ---- forward -------------------------------------------------------------------------------
     def _plan(self, device: torch.device, observe: bool, tokens: int, needs_backward: bool = True) -> LayerPlan:

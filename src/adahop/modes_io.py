@@ -14,7 +14,8 @@ from torch import nn
 
 from adahop.atomic_io import atomic_write_bytes
 from adahop.convert import adahop_layers
-from adahop.policy import GEMMS
+from adahop.patterns.detect import check_patterns
+from adahop.policy import GEMMS, check_modes
 
 
 def modes_dict(model: nn.Module) -> dict[str, dict]:
@@ -34,16 +35,37 @@ def save_modes(model: nn.Module, path: str | os.PathLike) -> None:
 
 
 def load_modes_dict(model: nn.Module, modes: dict) -> None:
+    """Freeze every converted layer of ``model`` to ``modes``. Every entry is checked before any
+    layer changes, so a bad entry leaves the model as it was."""
+    if not isinstance(modes, dict):
+        raise ValueError(f"modes must be a JSON object {{layer: {{fprop, dgrad, wgrad[, patterns]}}}}, got {type(modes).__name__}")
     layers = adahop_layers(model)
     missing = sorted(set(layers) - set(modes))
     unknown = sorted(set(modes) - set(layers))
     if missing or unknown:
         raise ValueError(f"modes do not match the model's converted layers: missing {missing}, unknown {unknown}")
+    checked = {}
     for fqn, entry in modes.items():
-        layers[fqn].set_modes({g: entry[g] for g in GEMMS if g in entry}, entry.get("patterns"))
+        if not isinstance(entry, dict):
+            raise ValueError(f"modes of layer {fqn!r} must be an object {{fprop, dgrad, wgrad[, patterns]}}, got {entry!r}")
+        extra = sorted(set(entry) - set(GEMMS) - {"patterns"})
+        if extra:
+            raise ValueError(f"layer {fqn!r}: unknown keys {extra}; allowed: {list(GEMMS) + ['patterns']}")
+        try:
+            gemm_modes = check_modes({g: entry[g] for g in GEMMS if g in entry})
+            patterns = check_patterns(entry["patterns"]) if entry.get("patterns") is not None else None
+        except ValueError as e:
+            raise ValueError(f"layer {fqn!r}: {e}") from None
+        checked[fqn] = (gemm_modes, patterns)
+    for fqn, (gemm_modes, patterns) in checked.items():
+        layers[fqn].set_modes(gemm_modes, patterns)
 
 
 def load_modes(model: nn.Module, path: str | os.PathLike) -> None:
     """Freeze every converted layer of ``model`` to the modes in the JSON file ``path``."""
-    with open(path) as f:
-        load_modes_dict(model, json.load(f))
+    try:
+        with open(path) as f:
+            modes = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a modes JSON file: {e}") from None
+    load_modes_dict(model, modes)

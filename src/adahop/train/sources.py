@@ -608,6 +608,15 @@ TOKENIZER_SOURCES: dict[str, Source] = {
 }
 
 DEFAULT_SOURCES = ("shakespeare",)
+
+
+def describe_sources() -> str:
+    """One entry per source: name, registry, pinned package and digest, what the text is."""
+    lines = []
+    for s in SOURCES.values():
+        pin = f"sha256 {s.sha256[:16]}..." if s.sha256 else "no download (pinned to the Python minor version)"
+        lines.append(f"  {s.name:14s} {s.registry:6s} {s.package}=={s.version}  {pin}\n  {'':15s}{s.description}")
+    return "\n".join(lines)
 ENGLISH_MIX = ("shakespeare", "gcide", "python-doc", "wordnet", "brown")
 
 

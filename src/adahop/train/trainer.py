@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -22,9 +21,18 @@ import torch
 from torch import nn
 
 import adahop
+from adahop.atomic_io import atomic_write_bytes
 from adahop.config import AdaHOPConfig
-from adahop.train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from adahop.train.checkpoint import (
+    latest_checkpoint,
+    load_training_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from adahop.train.compile import compile_blocks
+from adahop.train.run_folder import RunLock, ensure_writable_dir
+from adahop.train.run_log import LOG_NAME, JsonlLog
 
 
 @dataclass
@@ -107,19 +115,25 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_every", "ckpt_every", "log_every", "keep_checkpoints"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"lr must be > 0 and min_lr_ratio in [0, 1], got {self.lr}, {self.min_lr_ratio}")
+        for name, ok, allowed in (("lr", lambda v: v > 0, "> 0"), ("min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+                                  ("weight_decay", lambda v: v >= 0, ">= 0"), ("beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+                                  ("beta2", lambda v: 0 <= v < 1, "in [0, 1)"), ("eps", lambda v: v > 0, "> 0"),
+                                  ("grad_clip", lambda v: v > 0, "> 0")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+                raise ValueError(f"{name} must be a finite number {allowed}, got {v!r}")
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be a bool, got {self.compile!r}")
         if self.autocast not in ("auto", "bf16", "none"):
             raise ValueError(f"autocast must be 'auto', 'bf16' or 'none', got {self.autocast!r}")
+        device = resolve_device(self.device)
         # The backend is first asked for at the first MXFP4 step, after the BF16 calibration:
         # one that cannot run on this device is refused here, before any work.
         # (bf16 runs no MXFP4 GEMM: there a known backend is not asked to run.)
         from adahop.ops.backends import unavailable_reason
 
         if self.adahop.backend != "auto":
-            reason = unavailable_reason(self.adahop.backend, resolve_device(self.device))
+            reason = unavailable_reason(self.adahop.backend, device)
             if reason is not None and self.recipe != "bf16":
                 raise ValueError(reason)
 
@@ -136,9 +150,23 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def resolve_device(name: str) -> torch.device:
+    """``auto`` (a CUDA GPU if there is one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``;
+    a device this machine does not have is a ValueError saying so."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: this machine has no usable CUDA GPU (torch {torch.__version__}, "
+                             f"CUDA build {torch.version.cuda or 'none'}); use --device cpu or auto")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: there are {torch.cuda.device_count()} CUDA GPUs (cuda:0 ...)")
+    return dev
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -156,23 +184,6 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
 
 
-class JsonlLog:
-    """Append-only JSONL log; a resumed run truncates entries after its checkpoint's step."""
-
-    def __init__(self, path: Path, resume_step: int | None):
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is None:
-            path.write_text("")
-        elif path.exists():
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
-
-    def write(self, record: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
 def _progress(total: int, initial: int, enabled: bool):
     if not enabled:
         return None
@@ -181,6 +192,23 @@ def _progress(total: int, initial: int, enabled: bool):
     except ImportError:
         return None
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+
+# Fields that may change when a run resumes: where and how it runs, not what it computes.
+# (``adahop.backend`` may change too: every backend gives the reference's quantized bits, and
+# their GEMMs differ only in accumulation order.)
+RESUMABLE_CHANGES = ("out_dir", "corpus_dir", "device", "compile", "progress", "log_every", "sync_every",
+                     "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "extra")
+
+
+def resume_conflicts(saved: TrainConfig, cfg: TrainConfig) -> list[str]:
+    """The settings of ``cfg`` that differ from the checkpoint's ``saved`` config and would make
+    the resumed run a different run (anything but ``RESUMABLE_CHANGES``)."""
+    a, b = saved.to_dict(), cfg.to_dict()
+    out = [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if k not in RESUMABLE_CHANGES and k != "adahop" and a[k] != b[k]]
+    qa, qb = dict(a["adahop"], backend=None), dict(b["adahop"], backend=None)
+    out += [f"adahop.{k}: {qa[k]!r} -> {qb[k]!r}" for k in qa if qa[k] != qb[k]]
+    return out
 
 
 def train(
@@ -194,17 +222,40 @@ def train(
     on_step: Callable[[int, nn.Module], None] | None = None,
 ) -> dict:
     """Train ``model`` (already converted by the caller or not: this function converts it with
-    ``cfg.recipe`` if it holds no AdaHOP layer) on ``train_batches`` (an iterator of
+    ``cfg.adahop`` if it holds no AdaHOP layer) on ``train_batches`` (an iterator of
     ``(inputs, targets)`` LongTensors with ``state_dict``/``load_state_dict``).
+
+    The run folder ``cfg.out_dir`` is checked writable and locked for this process first
+    (``run_folder``). With ``resume``, its latest checkpoint is continued, if its config matches
+    (``resume_conflicts``); a run that has already finished is left as it is (the summary it
+    wrote comes back with ``"already_finished": True``).
 
     ``stop_after``: stop after that many steps of this call (to test interruption).
     ``on_step(step, model)``: called after each optimizer step (``step`` counts from 1), before
     the step's evaluation and checkpoint. Returns a summary: losses per step, final eval,
     tokens/s, peak memory."""
     cfg.validate()
-    out = Path(cfg.out_dir)
+    out = ensure_writable_dir(cfg.out_dir)
+    with RunLock(out):
+        return _train(cfg, out, model=model, train_batches=train_batches, eval_fn=eval_fn, resume=resume,
+                      stop_after=stop_after, on_step=on_step)
+
+
+def _train(cfg, out, *, model, train_batches, eval_fn, resume, stop_after, on_step) -> dict:
     device = resolve_device(cfg.device)
     use_bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
+    ckpt_dir = out / "checkpoints"
+    found = latest_checkpoint(ckpt_dir) if resume else None
+    state = load_training_checkpoint(found) if found is not None else None
+    if state is not None:
+        saved = TrainConfig.from_dict(state["config"])
+        conflicts = resume_conflicts(saved, cfg)
+        if conflicts:
+            raise ValueError(f"{found} belongs to a run with other settings ({'; '.join(conflicts)}); "
+                             "give the same settings to resume it, or a new --out (or --no-resume to start over)")
+        if state["step"] >= cfg.steps and (out / "summary.json").is_file():
+            summary = json.loads((out / "summary.json").read_text())
+            return {**summary, "losses": [], "already_finished": True}
     torch.manual_seed(cfg.seed)
 
     if not adahop.adahop_layers(model):
@@ -215,20 +266,14 @@ def train(
     opt = make_optimizer(model, cfg)
 
     start_step = 0
-    ckpt_dir = out / "checkpoints"
-    found = latest_checkpoint(ckpt_dir) if resume else None
-    if found is not None:
-        state = load_checkpoint(found, map_location="cpu")  # load_state_dict moves each part to its device
-        saved = TrainConfig.from_dict(state["config"])
-        if saved.recipe != cfg.recipe or saved.model_size != cfg.model_size:
-            raise ValueError(f"{found} is a {saved.recipe}/{saved.model_size} run; this one is {cfg.recipe}/{cfg.model_size}")
+    if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         train_batches.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         start_step = state["step"]
-    log = JsonlLog(out / "log.jsonl", start_step if found is not None else None)
-    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    log = JsonlLog(out / LOG_NAME, start_step if state is not None else None)
+    write_text_atomic(out / "config.json", json.dumps(cfg.to_dict(), indent=1))
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -236,7 +281,7 @@ def train(
     tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
     losses, t_start, steps_done = [], time.perf_counter(), 0
     step = start_step
-    eval_result = None
+    last_ckpt = found
     # Steps whose loss and gradient norm are still on the device. Reading them back is a host-
     # device sync; doing it every step would keep the host from queueing the next step's kernels
     # while the GPU works, so they are read every ``sync_every`` steps (and before any
@@ -254,7 +299,10 @@ def train(
         rate = len(pending) * tokens_per_step / max(time.perf_counter() - t_window, 1e-9)
         for (record, _, _), (loss_val, _) in zip(pending, values):
             if not math.isfinite(loss_val):
-                raise FloatingPointError(f"loss is {loss_val} at step {record['step']} ({cfg.recipe}); stopping")
+                kept = f"the last checkpoint, {last_ckpt}, is kept" if last_ckpt else "no checkpoint was written"
+                raise FloatingPointError(
+                    f"training diverged: the loss is {loss_val} at step {record['step']} ({cfg.recipe}, lr {cfg.lr:g}); "
+                    f"{kept}. A lower --lr or a longer warm-up may help")
         if evaluate:
             pending[-1][0]["eval"] = eval_fn(model)
         for (record, _, _), (loss_val, grad_norm) in zip(pending, values):
@@ -268,64 +316,67 @@ def train(
         pending.clear()
         t_window = time.perf_counter()
 
-    while step < cfg.steps:
-        lr = lr_at(step, cfg)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=device)
-        for _ in range(cfg.grad_accum):
-            inputs, targets = next(train_batches)
-            inputs, targets = inputs.to(device), targets.to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                logits = model(inputs)
-            loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-            (loss / cfg.grad_accum).backward()
-            loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        step += 1
-        steps_done += 1
-        if on_step is not None:
-            on_step(step, model)
-        record = {"step": step, "loss": None, "lr": lr, "grad_norm": None,
-                  "tokens": step * tokens_per_step, "tok_per_s": None,
-                  "calibrated": adahop.is_calibrated(model)}
-        pending.append((record, loss_sum / cfg.grad_accum, grad_norm.float()))
-        last = step == cfg.steps or (stop_after is not None and steps_done >= stop_after)
-        do_eval = bool(cfg.eval_every and step % cfg.eval_every == 0 and eval_fn is not None and step < cfg.steps)
-        do_ckpt = bool(cfg.ckpt_every and step % cfg.ckpt_every == 0) or last
-        if do_eval or do_ckpt or len(pending) >= cfg.sync_every:
-            flush(evaluate=do_eval)  # raises before a checkpoint could hold a non-finite step
-        if do_ckpt:
-            save_checkpoint(ckpt_dir, step, {
-                "step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                "data": train_batches.state_dict(), "rng": rng_state(), "config": cfg.to_dict(),
-            }, keep=cfg.keep_checkpoints)
-        if stop_after is not None and steps_done >= stop_after:
-            break
-    flush()
-    if bar is not None:
-        bar.close()
+    try:
+        while step < cfg.steps:
+            lr = lr_at(step, cfg)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.zero_grad(set_to_none=True)
+            loss_sum = torch.zeros((), device=device)
+            for _ in range(cfg.grad_accum):
+                inputs, targets = next(train_batches)
+                inputs, targets = inputs.to(device), targets.to(device)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+                    logits = model(inputs)
+                loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+                (loss / cfg.grad_accum).backward()
+                loss_sum += loss.detach()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            step += 1
+            steps_done += 1
+            if on_step is not None:
+                on_step(step, model)
+            record = {"step": step, "loss": None, "lr": lr, "grad_norm": None,
+                      "tokens": step * tokens_per_step, "tok_per_s": None,
+                      "calibrated": adahop.is_calibrated(model)}
+            pending.append((record, loss_sum / cfg.grad_accum, grad_norm.float()))
+            last = step == cfg.steps or (stop_after is not None and steps_done >= stop_after)
+            do_eval = bool(cfg.eval_every and step % cfg.eval_every == 0 and eval_fn is not None and step < cfg.steps)
+            do_ckpt = bool(cfg.ckpt_every and step % cfg.ckpt_every == 0) or last
+            if do_eval or do_ckpt or len(pending) >= cfg.sync_every:
+                flush(evaluate=do_eval)  # raises before a checkpoint could hold a non-finite step
+            if do_ckpt:
+                last_ckpt = save_checkpoint(ckpt_dir, step, {
+                    "step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "data": train_batches.state_dict(), "rng": rng_state(), "config": cfg.to_dict(),
+                }, keep=cfg.keep_checkpoints)
+            if stop_after is not None and steps_done >= stop_after:
+                break
+        flush()
+    finally:
+        if bar is not None:
+            bar.close()
     elapsed = time.perf_counter() - t_start
+    eval_result = None
     if step == cfg.steps and eval_fn is not None:
-        eval_result = eval_fn(model)
-        log.write({"step": step, "final_eval": eval_result})
+        # a run killed after its final evaluation was logged, before its summary: not again
+        logged = next((r["final_eval"] for r in log.records() if "final_eval" in r and r["step"] == step), None)
+        eval_result = logged if logged is not None else eval_fn(model)
+        if logged is None:
+            log.write({"step": step, "final_eval": eval_result})
     summary = {
         "recipe": cfg.recipe, "model_size": cfg.model_size, "steps": step, "losses": losses,
-        "tokens_per_s": steps_done * tokens_per_step / elapsed if elapsed > 0 else None,
+        "tokens_per_s": steps_done * tokens_per_step / elapsed if steps_done and elapsed > 0 else None,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "final_eval": eval_result,
     }
     if step == cfg.steps:
         modes = {fqn: dict(layer.modes or {}) for fqn, layer in adahop.adahop_layers(model).items()}
-        (out / "modes.json").write_text(json.dumps(modes, indent=1))
-        (out / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1))
+        write_text_atomic(out / "modes.json", json.dumps(modes, indent=1))
+        write_text_atomic(out / "summary.json", json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1))
     return summary
 
 
-def read_log(run_dir: str | os.PathLike) -> list[dict]:
-    path = Path(run_dir) / "log.jsonl"
-    if not path.exists():
-        raise ValueError(f"no training log at {path}")
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
+def write_text_atomic(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
