@@ -8,8 +8,9 @@ walks K in steps of ``BLOCK_K``; ``tl.dot_scaled(a, a_scale, "e2m1", b, b_scale,
 multiplies the E2M1 elements by their block scales and accumulates in float32, so C is the
 reference MXFP4 GEMM (dequantize, float32 matmul) up to float32 accumulation order.
 
-Hardware. On GPUs with MX tensor cores (NVIDIA compute capability 10.x/12.x, AMD gfx950) Triton
-lowers ``tl.dot_scaled`` to the native block-scaled MMA. On Hopper it decomposes it into an
+Hardware. On GPUs with MX tensor cores that Triton 3.6 lowers it to natively (NVIDIA compute
+capability 10.x, AMD gfx950) ``tl.dot_scaled`` is the native block-scaled MMA; consumer Blackwell
+(12.x) is refused until checked (``ops.backends.native_mx_arch``). On Hopper it decomposes it into an
 upcast to BF16 and a BF16 MMA: 108 TFLOP/s at 8192^3 on the H200, 0.15x a cuBLAS BF16 GEMM
 (``benchmarks/bench_hopper.py --sections mx``): correct, and how we test this kernel on the H200,
 but never chosen there (``ops.backends`` gates it; docs/kernels.md, 'The native MX GEMM').

@@ -150,7 +150,8 @@ def _store_per_block(ptrs, values, mask, BLOCK_R: tl.constexpr, NB: tl.constexpr
     quantize takes 1,336 SASS instructions instead of 1,848 (``benchmarks/sass_count.py``;
     ``j == 0`` is false at compile time for all but one register of a thread, so one predicated
     store remains per block), 1.5-1.8x faster on the H200 for [16384, 4096] and [16384, 14336]
-    operands. Triton still computes the chunk's butterfly a second time for this store's layout
+    operands. The codes store must take the same thread mapping (the packed codes as
+    ``[rows, blocks, 16, 2]``), or Triton computes the chunk's butterfly a second time for it
     (docs/kernels.md, 'Layout rules for Triton')."""
     j = tl.arange(0, 32)[None, None, :]
     v = tl.broadcast_to(values[:, :, None], (BLOCK_R, NB, 32))
