@@ -238,7 +238,7 @@ def test_wgrad_channel_outliers_oe_right_beats_iht():
 
 
 def test_gemm_settings_are_independent_per_gemm():
-    """Each GEMM's transform settings are its own (docs/method.md, 'Recipes'): changing fprop's
+    """Each GEMM's settings are its own (docs/method.md, 'Strategy per GEMM'): changing fprop's
     Hadamard size changes y only, dgrad's random signs dx only, wgrad's scale mode dw only."""
     T, K, N = 77, 50, 33
     x, w, g = gaussian_data(T, K, N, seed=16)
