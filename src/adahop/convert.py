@@ -44,7 +44,8 @@ def convert_to_adahop_training(
     A model that is itself an ``nn.Linear`` is converted and returned (it cannot be swapped in
     place). Already-converted layers are left alone."""
     if not isinstance(config, AdaHOPConfig):
-        raise ValueError(f"config must be an AdaHOPConfig (see AdaHOPConfig.from_recipe_name), got {type(config).__name__}")
+        raise ValueError(f"config must be an AdaHOPConfig (see AdaHOPConfig.from_recipe_name), "
+                         f"got {type(config).__name__}")
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
     keep = module_filter_fn or default_module_filter(model)

@@ -38,7 +38,8 @@ def load_modes_dict(model: nn.Module, modes: dict) -> None:
     """Freeze every converted layer of ``model`` to ``modes``. Every entry is checked before any
     layer changes, so a bad entry leaves the model as it was."""
     if not isinstance(modes, dict):
-        raise ValueError(f"modes must be a JSON object {{layer: {{fprop, dgrad, wgrad[, patterns]}}}}, got {type(modes).__name__}")
+        raise ValueError(f"modes must be a JSON object {{layer: {{fprop, dgrad, wgrad[, patterns]}}}}, "
+                         f"got {type(modes).__name__}")
     layers = adahop_layers(model)
     missing = sorted(set(layers) - set(modes))
     unknown = sorted(set(modes) - set(layers))
@@ -47,7 +48,8 @@ def load_modes_dict(model: nn.Module, modes: dict) -> None:
     checked = {}
     for fqn, entry in modes.items():
         if not isinstance(entry, dict):
-            raise ValueError(f"modes of layer {fqn!r} must be an object {{fprop, dgrad, wgrad[, patterns]}}, got {entry!r}")
+            raise ValueError(f"modes of layer {fqn!r} must be an object {{fprop, dgrad, wgrad[, patterns]}}, "
+                             f"got {entry!r}")
         extra = sorted(set(entry) - set(GEMMS) - {"patterns"})
         if extra:
             raise ValueError(f"layer {fqn!r}: unknown keys {extra}; allowed: {list(GEMMS) + ['patterns']}")

@@ -75,7 +75,7 @@ class TensorCalibration:
         return {"votes": dict(self.votes), "sums": dict(self.sums), "finite_counts": dict(self.finite_counts)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TensorCalibration":
+    def from_dict(cls, d: dict) -> TensorCalibration:
         return cls(dict(d["votes"]), dict(d["sums"]), dict(d["finite_counts"]))
 
 
@@ -104,5 +104,5 @@ class LayerCalibration:
         return {r: t.to_dict() for r, t in self.tensors.items()}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "LayerCalibration":
+    def from_dict(cls, d: dict) -> LayerCalibration:
         return cls({r: TensorCalibration.from_dict(d[r]) for r in TENSOR_ROLES})

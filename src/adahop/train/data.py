@@ -503,7 +503,8 @@ class TokenBatches:
         mine = self.state_dict()
         for key in ("kind", "corpus_id", "split", "sources", "batch_size", "seq_len", "seed"):
             if state.get(key) != mine[key]:
-                raise ValueError(f"cannot resume TokenBatches: saved {key}={state.get(key)!r}, this one has {mine[key]!r}")
+                raise ValueError(f"cannot resume TokenBatches: saved {key}={state.get(key)!r}, "
+                                 f"this one has {mine[key]!r}")
         self.position = int(state["position"])
 
     # -- iteration

@@ -229,8 +229,9 @@ def score_continuations(
             vocab = logits.shape[-1]
             top_id = max(max(targets), max(max(inputs[i]) for i in idx))
             if top_id >= vocab or getattr(tokenizer, "vocab_size", 0) > vocab:
-                raise ValueError(f"the model has {vocab} logits but the tokenizer has {getattr(tokenizer, 'vocab_size', '?')} "
-                                 f"tokens (ids up to {top_id} here): tokenizer/model vocabulary mismatch")
+                raise ValueError(f"the model has {vocab} logits but the tokenizer has "
+                                 f"{getattr(tokenizer, 'vocab_size', '?')} tokens (ids up to {top_id} here): "
+                                 f"tokenizer/model vocabulary mismatch")
             sel = logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)].float()  # [N, V]
             tgt = torch.tensor(targets, device=device)
             tok_lp = torch.log_softmax(sel, dim=-1).gather(1, tgt[:, None])[:, 0]
@@ -285,7 +286,8 @@ def completion_metrics(items: Sequence[CompletionItem], scores: Sequence[Continu
         "n": n,
         "acc": sum(s.greedy for s in scores) / n,
         "ppl": math.exp(-math.fsum(s.logprob for s in scores) / n),
-        "bits_per_byte": math.fsum(-s.logprob / LN2 / len(it.target.encode("utf-8")) for it, s in zip(items, scores)) / n,
+        "bits_per_byte": math.fsum(-s.logprob / LN2 / len(it.target.encode("utf-8"))
+                                   for it, s in zip(items, scores)) / n,
         "chance": 0.0,
     }
 

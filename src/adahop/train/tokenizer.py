@@ -91,7 +91,8 @@ class Tokenizer(ABC):
         return directory
 
     def _save_files(self, directory: Path) -> None:
-        pass
+        """Write the files beyond the config into ``directory``: none by default (an optional hook)."""
+        return
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
@@ -318,7 +319,8 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
         path = directory / cfg.get("file", TIKTOKEN_FILE)
         if not path.is_file():
             raise ValueError(f"tiktoken BPE at {directory}: missing {path.name}")
-        tok = TiktokenBPE(path.read_text("ascii"), name=cfg.get("name", "gpt2"), pattern=cfg.get("pattern", R50K_PATTERN))
+        tok = TiktokenBPE(path.read_text("ascii"), name=cfg.get("name", "gpt2"),
+                          pattern=cfg.get("pattern", R50K_PATTERN))
     else:
         raise ValueError(f"{cfg_path}: unknown tokenizer type {kind!r}")
     if tok.vocab_size != cfg.get("vocab_size") or tok.eos_id != cfg.get("eos_id"):

@@ -116,7 +116,8 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name, ok, allowed in (("lr", lambda v: v > 0, "> 0"), ("min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
-                                  ("weight_decay", lambda v: v >= 0, ">= 0"), ("beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+                                  ("weight_decay", lambda v: v >= 0, ">= 0"),
+                                  ("beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
                                   ("beta2", lambda v: 0 <= v < 1, "in [0, 1)"), ("eps", lambda v: v > 0, "> 0"),
                                   ("grad_clip", lambda v: v > 0, "> 0")):
             v = getattr(self, name)
@@ -301,8 +302,8 @@ def _train(cfg, out, *, model, train_batches, eval_fn, resume, stop_after, on_st
             if not math.isfinite(loss_val):
                 kept = f"the last checkpoint, {last_ckpt}, is kept" if last_ckpt else "no checkpoint was written"
                 raise FloatingPointError(
-                    f"training diverged: the loss is {loss_val} at step {record['step']} ({cfg.recipe}, lr {cfg.lr:g}); "
-                    f"{kept}. A lower --lr or a longer warm-up may help")
+                    f"training diverged: the loss is {loss_val} at step {record['step']} "
+                    f"({cfg.recipe}, lr {cfg.lr:g}); {kept}. A lower --lr or a longer warm-up may help")
         if evaluate:
             pending[-1][0]["eval"] = eval_fn(model)
         for (record, _, _), (loss_val, grad_norm) in zip(pending, values):
@@ -374,7 +375,8 @@ def _train(cfg, out, *, model, train_batches, eval_fn, resume, stop_after, on_st
     if step == cfg.steps:
         modes = {fqn: dict(layer.modes or {}) for fqn, layer in adahop.adahop_layers(model).items()}
         write_text_atomic(out / "modes.json", json.dumps(modes, indent=1))
-        write_text_atomic(out / "summary.json", json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1))
+        write_text_atomic(out / "summary.json",
+                          json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1))
     return summary
 
 
