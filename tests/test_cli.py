@@ -5,9 +5,9 @@ import json
 import pytest
 
 from adahop import cli
-from adahop.train.compare import steady_tokens_per_s
 from adahop.train import data as D
 from adahop.train import sources as S
+from adahop.train.compare import steady_tokens_per_s
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 import torch._dynamo
+from test_trainer import SEQ, VOCAB, CountingBatches, config
 
 import adahop
-from tiny_lm import TinyLM
 from adahop.train.compile import compile_blocks
 from adahop.train.model import Llama, LlamaConfig
 from adahop.train.trainer import TrainConfig, train
 
-from test_trainer import SEQ, VOCAB, CountingBatches, config
+from tiny_lm import TinyLM
 
 
 def llama(seed=0, n_layers=2):

@@ -9,11 +9,12 @@ import math
 
 import pytest
 import torch
-from tiny_lm import TinyLM, batches, encode_bytes, lm_loss, load_corpus
 from torch import nn
 
 import adahop
 from adahop import AdaHOPConfig, AdaHOPLinear
+
+from tiny_lm import TinyLM, batches, encode_bytes, lm_loss, load_corpus
 
 RECIPES = tuple(adahop.RECIPES)
 ADAPTIVE = tuple(r for r in RECIPES if AdaHOPConfig.from_recipe_name(r).adaptive)

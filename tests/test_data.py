@@ -221,7 +221,8 @@ def test_brown_detokenizer():
 def test_stdlib_source_restricted_and_pinned():
     docs = S.load_documents(STDLIB_MINI)
     ids = [d.id for d in docs]
-    assert "textwrap.py" in ids and "json/decoder.py" in ids and all(i.split("/")[0] in ("json", "textwrap.py", "string.py") for i in ids)
+    assert "textwrap.py" in ids and "json/decoder.py" in ids
+    assert all(i.split("/")[0] in ("json", "textwrap.py", "string.py") for i in ids)
     other = S.Source(name="py", registry="stdlib", package="cpython", version="2.7", sha256=None, license="-",
                      extract=STDLIB_MINI.extract)
     with pytest.raises(S.FetchError, match="pinned to the Python 2.7"):
@@ -376,9 +377,11 @@ def test_rebuild_is_idempotent(byte_corpus, tiny, tmp_path):
     assert m3["shards"] == m1["shards"] and m3["build_key"] == m1["build_key"]
     # other arguments: rebuilt, stale shards and tokenizer files removed
     m4 = D.build_corpus(out, sources=[tiny], tokenizer="bpe-260", progress=False)
-    assert m4["build_key"] != m1["build_key"] and sorted(p.name for p in out.glob("*.bin")) == ["tiny.train.bin", "tiny.val.bin"]
+    assert m4["build_key"] != m1["build_key"]
+    assert sorted(p.name for p in out.glob("*.bin")) == ["tiny.train.bin", "tiny.val.bin"]
     m5 = D.build_corpus(out, sources=[tiny], tokenizer="byte", progress=False)
-    assert sorted(p.name for p in (out / "tokenizer").iterdir()) == ["tokenizer_config.json"] == list(m5["tokenizer"]["files"])
+    assert (sorted(p.name for p in (out / "tokenizer").iterdir()) == ["tokenizer_config.json"]
+            == list(m5["tokenizer"]["files"]))
     assert D.load_corpus(out).vocab_size == 257
 
 

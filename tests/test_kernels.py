@@ -11,15 +11,14 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 import adahop  # noqa: E402
-from adahop.formats.mxfp4 import dequantize_mxfp4  # noqa: E402
-from adahop.kernels.quantize import quantize_operand_triton  # noqa: E402
+from adahop.formats.mxfp4 import _round_sr, dequantize_mxfp4  # noqa: E402
 from adahop.kernels.mxfp4_math import (  # noqa: E402
     e2m1_codes_rne,
     e2m1_rne_arith,
     e2m1_sr,
     e2m1_value,
 )
-from adahop.formats.mxfp4 import _round_sr  # noqa: E402
+from adahop.kernels.quantize import quantize_operand_triton  # noqa: E402
 from adahop.kernels.unpack import unpack_to_e4m3  # noqa: E402
 from adahop.ops import OperandSpec, quantize_operand  # noqa: E402
 from adahop.ops.backends import get_backend, unavailable_reason  # noqa: E402
@@ -59,7 +58,8 @@ def test_quantize_kernel_bit_exact(shape, dim, h, signs, mode, rounding, dtype):
     x = make(shape, dtype, seed=len(shape) + shape[0])
     spec = OperandSpec(scale_mode=mode, rounding=rounding, hadamard_size=h, signs_seed=signs, sr_seed=1234)
     ref = quantize_operand(x, dim, spec)
-    got = quantize_operand_triton(x, dim, scale_mode=mode, rounding=rounding, hadamard_size=h, signs_seed=signs, sr_seed=1234)["mx"]
+    got = quantize_operand_triton(x, dim, scale_mode=mode, rounding=rounding, hadamard_size=h, signs_seed=signs,
+                                  sr_seed=1234)["mx"]
     assert_same_mx(got, ref)
 
 
@@ -100,7 +100,8 @@ def test_round_to_bf16_in_the_loads_equals_the_cast(dim, e4m3, kw):
         quantize_operand_triton(x.to(torch.bfloat16), dim, round_to_bf16=True)
 
 
-@pytest.mark.parametrize("sr_seed,signs_seed,big_keys", [(2, 3, (True, False)), (3, 2, (False, True)), (7, 8, (True, True))])
+@pytest.mark.parametrize("sr_seed,signs_seed,big_keys",
+                         [(2, 3, (True, False)), (3, 2, (False, True)), (7, 8, (True, True))])
 def test_hash_keys_of_either_sign_as_int32(sr_seed, signs_seed, big_keys):
     """The SR and sign keys reach the kernel as int32 (one compiled kernel for every key): keys
     at or above 2**31 arrive negative and must give the reference's bits all the same."""
@@ -125,7 +126,8 @@ def test_new_hash_keys_compile_nothing():
     kernel_cache = _mxfp4_quantize_kernel.device_caches[torch.cuda.current_device()][0]
     compiled = len(kernel_cache)
     for seed in range(1, 40):  # keys of both signs, some divisible by 16
-        quantize_operand_triton(x, 1, rounding="sr", hadamard_size=32, signs_seed=seed, sr_seed=seed, e4m3=True, packed=False)
+        quantize_operand_triton(x, 1, rounding="sr", hadamard_size=32, signs_seed=seed, sr_seed=seed,
+                                e4m3=True, packed=False)
     assert len(kernel_cache) == compiled
 
 
@@ -279,8 +281,9 @@ def test_inplace_butterfly_form_equals_reference(h):
         assert_same_mx(got, ref)
 
 
-@pytest.mark.parametrize("dim,h,mode,rounding", [(1, 32, "even", "rne"), (0, None, "floor", "rne"), (1, 64, "rceil", "rne"),
-                                                 (1, 32, "even", "sr"), (0, 16, "rceil", "sr")])
+@pytest.mark.parametrize("dim,h,mode,rounding", [(1, 32, "even", "rne"), (0, None, "floor", "rne"),
+                                                 (1, 64, "rceil", "rne"), (1, 32, "even", "sr"),
+                                                 (0, 16, "rceil", "sr")])
 @pytest.mark.parametrize("single_chunk_max", [0, 4096])
 def test_arithmetic_encoder_equals_compare_chains(dim, h, mode, rounding, single_chunk_max):
     """The arithmetic E2M1 encoder gives the reference codes (RNE and SR, special values too)
@@ -289,7 +292,8 @@ def test_arithmetic_encoder_equals_compare_chains(dim, h, mode, rounding, single
     x = make((24, 96), seed=11)
     x[0, 3] = float("nan")
     x[1] = 0.0
-    kw = dict(hadamard_size=h, scale_mode=mode, rounding=rounding, sr_seed=21, e4m3=True, single_chunk_max=single_chunk_max)
+    kw = dict(hadamard_size=h, scale_mode=mode, rounding=rounding, sr_seed=21, e4m3=True,
+              single_chunk_max=single_chunk_max)
     ref = quantize_operand(x, dim, OperandSpec(hadamard_size=h, scale_mode=mode, rounding=rounding, sr_seed=21))
     out = quantize_operand_triton(x, dim, arith_e2m1=True, **kw)
     assert_same_mx(out["mx"], ref)
@@ -321,11 +325,14 @@ def test_arithmetic_encoders_on_every_boundary():
     magnitudes; SR with the extreme and the middle random bits."""
     grid_pts = torch.tensor([0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6], dtype=torch.float32)
     near = torch.tensor([0.5 + 3 * 2**-18, 0.5 + 2**-18, 1.75 - 2**-17, 2.5 + 2**-16, 4.0 - 2**-16, 5.0 + 2**-15])
-    special = torch.cat([grid_pts, near, torch.nextafter(grid_pts, torch.tensor(7.0)), torch.nextafter(grid_pts, torch.tensor(-1.0)).clamp(min=0)])
+    special = torch.cat([grid_pts, near, torch.nextafter(grid_pts, torch.tensor(7.0)),
+                         torch.nextafter(grid_pts, torch.tensor(-1.0)).clamp(min=0)])
     gen = torch.Generator().manual_seed(0)
     a = torch.cat([special.repeat(8), torch.rand(4096 - 8 * special.numel(), generator=gen) * 6]).clamp(max=6.0)
     bits = torch.randint(0, 2**16, (a.numel(),), generator=gen, dtype=torch.int32)
-    bits[: 8 * special.numel()] = torch.tensor([0, 1, 2**15 - 1, 2**15, 2**15 + 1, 2**16 - 2, 2**16 - 1, 12345], dtype=torch.int32).repeat_interleave(special.numel())
+    bits[: 8 * special.numel()] = torch.tensor(
+        [0, 1, 2**15 - 1, 2**15, 2**15 + 1, 2**16 - 2, 2**16 - 1, 12345], dtype=torch.int32
+    ).repeat_interleave(special.numel())
     out = torch.empty(6 * a.numel(), dtype=torch.int32, device=DEVICE)
     _both_encoders[(triton.cdiv(a.numel(), 1024),)](a.to(DEVICE), bits.to(DEVICE), out, a.numel(), BLOCK=1024)
     out = out.view(6, -1).cpu()
@@ -334,7 +341,8 @@ def test_arithmetic_encoders_on_every_boundary():
     assert bool(out[4].all()) and bool(out[5].all())
 
 
-@pytest.mark.parametrize("dim,h,rounding,e4m3", [(1, 32, "rne", True), (0, 16, "sr", True), (1, None, "sr", False), (0, 64, "rne", False)])
+@pytest.mark.parametrize("dim,h,rounding,e4m3",
+                         [(1, 32, "rne", True), (0, 16, "sr", True), (1, None, "sr", False), (0, 64, "rne", False)])
 def test_k_split_equals_one_range_per_row(dim, h, rounding, e4m3):
     """Splitting K over several programs (operands with few rows) gives the same bits: the
     blocks are independent, and the e4m3 row scale comes from the ranges' partial maxima."""

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import adahop
+
 from tiny_lm import TinyLM
 
 

@@ -40,7 +40,8 @@ def separately(x, cols, rows):
         ((100, 150), dict(hadamard_size=32, rounding="sr", sr_seed=5, signs_seed=9),
          dict(hadamard_size=32, rounding="sr", sr_seed=6, scale_mode="rceil"), {}),
         ((64, 64), dict(), dict(rounding="sr", sr_seed=1), {}),
-        ((40, 200), dict(hadamard_size=16, scale_mode="floor"), dict(hadamard_size=64, signs_seed=2), dict(block_r=64, block_c=32)),
+        ((40, 200), dict(hadamard_size=16, scale_mode="floor"), dict(hadamard_size=64, signs_seed=2),
+         dict(block_r=64, block_c=32)),
         ((130, 96), dict(hadamard_size=128, rounding="sr", sr_seed=3), dict(scale_mode="ceil"), {}),
     ],
 )
@@ -71,7 +72,8 @@ def test_special_values():
     [
         ((100, 150), dict(hadamard_size=32, signs_seed=9), dict(hadamard_size=32, rounding="sr", sr_seed=6), {}),
         ((64, 64), dict(), dict(), {}),
-        ((130, 96), dict(hadamard_size=16, rounding="sr", sr_seed=3, scale_mode="rceil"), dict(hadamard_size=64, scale_mode="floor"), {}),
+        ((130, 96), dict(hadamard_size=16, rounding="sr", sr_seed=3, scale_mode="rceil"),
+         dict(hadamard_size=64, scale_mode="floor"), {}),
         ((40, 200), dict(hadamard_size=32), dict(hadamard_size=32, signs_seed=4), dict(block_r=32, block_c=128)),
     ],
 )
@@ -217,7 +219,8 @@ def test_norms_from_the_first_pass(rows_form):
     if rows_form == "e4m3":
         assert_same(b, plain_b)
     else:
-        assert torch.equal(b["mx"].codes, plain_b["mx"].codes) and torch.equal(b["mx"].scale_e8m0, plain_b["mx"].scale_e8m0)
+        assert torch.equal(b["mx"].codes, plain_b["mx"].codes)
+        assert torch.equal(b["mx"].scale_e8m0, plain_b["mx"].scale_e8m0)
     empty_a, empty_b = quantize_both(x[:0], cols, rows, rows_form=rows_form, row_norms=True, col_norms=True)
     assert empty_a["norms"].shape == (0,) and torch.equal(empty_b["norms"], torch.zeros(200, device=x.device))
 

@@ -183,11 +183,13 @@ def test_mix_seeds_from_continues_the_chain():
 
 
 def test_layer_seeds_follow_the_documented_formula():
-    import adahop
     from torch import nn
 
+    import adahop
+
     lin = nn.Linear(64, 32)
-    layer = adahop.AdaHOPLinear.from_float(lin, config=adahop.AdaHOPConfig.from_recipe_name("tseng", seed=5), name="blocks.0.wq")
+    layer = adahop.AdaHOPLinear.from_float(lin, config=adahop.AdaHOPConfig.from_recipe_name("tseng", seed=5),
+                                           name="blocks.0.wq")
     signs_checked = sr_checked = 0
     for call in range(3):
         plan = layer._plan(torch.device("cpu"), False, 64)
@@ -212,10 +214,12 @@ def test_layer_seeds_follow_the_documented_formula():
 def test_plan_follows_a_new_config():
     """The layer's cached plan is rebuilt when its config is replaced (here: another Hadamard
     size and rounding for fprop's activation)."""
-    import adahop
     from torch import nn
 
-    layer = adahop.AdaHOPLinear.from_float(nn.Linear(64, 32), config=adahop.AdaHOPConfig.from_recipe_name("mxfp4_iht"), name="p")
+    import adahop
+
+    layer = adahop.AdaHOPLinear.from_float(nn.Linear(64, 32), config=adahop.AdaHOPConfig.from_recipe_name("mxfp4_iht"),
+                                           name="p")
     assert layer._plan(torch.device("cpu"), False, 64).fprop.a.hadamard_size == 32
     cfg = layer.config
     layer.config = cfg.replace(fprop=dataclasses.replace(cfg.fprop, hadamard_size=64, a_rounding="sr"))

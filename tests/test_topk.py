@@ -14,7 +14,8 @@ from adahop.ops.outliers import largest_k, topk_outer  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("n,k", [(1, 1), (5, 3), (100, 7), (1000, 64), (4096, 64), (3000, 3000), (50, 80), (20000, 16), (40000, 16)])
+@pytest.mark.parametrize("n,k", [(1, 1), (5, 3), (100, 7), (1000, 64), (4096, 64), (3000, 3000), (50, 80),
+                                 (20000, 16), (40000, 16)])
 def test_equals_reference_on_random_values(n, k):
     v = torch.randn(n, generator=torch.Generator().manual_seed(n + k)).to(DEVICE)
     got = topk_indices(v, k)
@@ -25,7 +26,8 @@ def test_equals_reference_on_random_values(n, k):
 
 def test_ties_and_special_values():
     """NaN ranks above +inf; ties at the k-th value go to the lower index; -0 and 0 tie."""
-    v = torch.tensor([1.0, 3.0, 3.0, float("nan"), -2.0, 3.0, float("inf"), 0.0, -0.0, 3.0, float("-inf")], device=DEVICE)
+    v = torch.tensor([1.0, 3.0, 3.0, float("nan"), -2.0, 3.0, float("inf"), 0.0, -0.0, 3.0, float("-inf")],
+                     device=DEVICE)
     for k in range(0, v.numel() + 2):
         assert torch.equal(topk_indices(v, k), largest_k(v, k)), k
     assert topk_indices(v, 2).tolist() == [3, 6]

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import adahop
-from tiny_lm import TinyLM
 from adahop.train import checkpoint as ckpt
 from adahop.train.run_log import read_log
 from adahop.train.trainer import TrainConfig, lr_at, train
+
+from tiny_lm import TinyLM
 
 VOCAB, SEQ = 64, 32
 
@@ -126,7 +127,8 @@ def test_on_step_is_called_after_each_step_and_can_switch_modes(tmp_path):
     assert first["steps"] == 4 and len(second["losses"]) == 4
     state = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints"))
     layer_states = [v for k, v in state["model"].items() if k.endswith("_extra_state")]
-    assert layer_states and all(st["modes"] == {"fprop": "bf16", "dgrad": "bf16", "wgrad": "bf16"} for st in layer_states)
+    assert layer_states
+    assert all(st["modes"] == {"fprop": "bf16", "dgrad": "bf16", "wgrad": "bf16"} for st in layer_states)
 
 
 def test_a_non_finite_loss_stops_before_any_checkpoint(tmp_path):
