@@ -54,7 +54,6 @@ from adahop.kernels.mxfp4_math import (
 )
 from adahop.transforms.hadamard import HADAMARD_NORM
 
-
 INTERPRETED_JIT: tl.constexpr = tl.constexpr(INTERPRETED)
 
 
@@ -175,7 +174,8 @@ def _emit_chunk(
         bidx = k0 // 32 + tl.arange(0, NB)
         smask = row_ok[:, None] & (bidx[None, :] < KP // 32)
         sbyte = tl.where(finite, e + 127, 255).to(tl.uint8)
-        _store_per_block(scales_ptr + rows[:, None].to(tl.int64) * (KP // 32) + bidx[None, :], sbyte, smask, BLOCK_R, NB)
+        _store_per_block(scales_ptr + rows[:, None].to(tl.int64) * (KP // 32) + bidx[None, :], sbyte, smask,
+                         BLOCK_R, NB)
 
     # Scale by 2**-e (a normal float32 for e in [-127, 126]), clamp |v| to 6, round. Non-finite
     # blocks: zero codes in the packed form; the e4m3 form overwrites them with NaN below.
@@ -185,7 +185,8 @@ def _emit_chunk(
         v = tl.where(finite[:, :, None], v, 0.0)
     a = tl.minimum(tl.abs(v), 6.0)
     if SR:  # one 32-bit hash per pair of elements, 16 bits each (formats.rng.sr_bits)
-        pairs = ((rows.to(tl.uint32) * KP.to(tl.uint32) + k0) >> 1)[:, None] + tl.arange(0, BLOCK_K // 2)[None, :]  # < 2**31
+        # pairs < 2**31
+        pairs = ((rows.to(tl.uint32) * KP.to(tl.uint32) + k0) >> 1)[:, None] + tl.arange(0, BLOCK_K // 2)[None, :]
         r = lowbias32(pairs ^ sr_key.to(tl.uint32))
         bits = tl.reshape(tl.join(r & 0xFFFF, r >> 16), (BLOCK_R, NB, 32)).to(tl.int32)
         c, mag = e2m1_sr(a, bits)
@@ -252,7 +253,8 @@ def _store_row_exponent(epart_ptr, e_rowmax, e, rows, row_ok, last, BLOCK_R: tl.
     t = tl.broadcast_to((e_rowmax[:, None] + 127 + 0 * e)[:, :, None], (BLOCK_R, NB, 32))
     t = tl.reshape(t, (BLOCK_R, BLOCK_K)).to(tl.uint8)
     cols = tl.arange(0, BLOCK_K)
-    tl.store(epart_ptr + rows[:, None].to(tl.int64) * 16 + cols[None, :], t, mask=row_ok[:, None] & (cols[None, :] < 16) & last)
+    tl.store(epart_ptr + rows[:, None].to(tl.int64) * 16 + cols[None, :], t,
+             mask=row_ok[:, None] & (cols[None, :] < 16) & last)
 
 
 @triton.jit
@@ -284,7 +286,8 @@ def _mxfp4_quantize_kernel(
     k_hi = tl.minimum(k_lo + SPLIT_K, KP)
 
     if SINGLE_CHUNK:  # the whole (padded) row fits one chunk: one read, one transform
-        x = _load_transform(x_ptr, stride_r, stride_k, rows, 0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE, True, ROUND_BF16)
+        x = _load_transform(x_ptr, stride_r, stride_k, rows, 0, R, K, sign_key, norm,
+                            BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE, True, ROUND_BF16)
         e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
         e_rowmax = tl.max(tl.where(finite, e, -127), axis=1)
         if WRITE_E4M3:
@@ -292,14 +295,18 @@ def _mxfp4_quantize_kernel(
         if WRITE_SUMSQ:
             tl.store(sumsq_ptr + rows, tl.sum(x * x, axis=1), mask=row_ok)
         # k0 = k_lo (0 here) as a tensor: _emit_chunk states its divisibility (tl.multiple_of)
-        _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, k_lo, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_E2M1)
+        _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, k_lo, KP, sr_key,
+                    codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr,
+                    BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_E2M1)
     elif PHASE == 1:  # largest block exponent of this K range, for PHASE 2
         e_part = tl.full((BLOCK_R,), -127, tl.int32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE, False, ROUND_BF16)
+            x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm,
+                                BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE, False, ROUND_BF16)
             e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE, norm)
             e_part = tl.maximum(e_part, tl.max(tl.where(finite, e, -127), axis=1))
-            _store_row_exponent(epart_ptr + sid * R * 16, e_part, e, rows, row_ok, k0 + BLOCK_K >= k_hi, BLOCK_R, BLOCK_K)
+            _store_row_exponent(epart_ptr + sid * R * 16, e_part, e, rows, row_ok, k0 + BLOCK_K >= k_hi,
+                                BLOCK_R, BLOCK_K)
     else:
         e_rowmax = tl.full((BLOCK_R,), -127, tl.int32)
         if WRITE_E4M3:  # (then PHASE 2) the row maximum of PHASE 1's partial maxima
@@ -308,11 +315,14 @@ def _mxfp4_quantize_kernel(
             tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok & (sid == 0))
         sumsq = tl.zeros((BLOCK_R,), tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE, True, ROUND_BF16)
+            x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm,
+                                BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE, True, ROUND_BF16)
             if WRITE_SUMSQ:
                 sumsq += tl.sum(x * x, axis=1)
             e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
-            _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, k0, KP, sr_key, codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_E2M1)
+            _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, k0, KP, sr_key,
+                        codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr,
+                        BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_E2M1)
         if WRITE_SUMSQ:
             tl.store(sumsq_ptr + sid * R + rows, sumsq, mask=row_ok)
 
@@ -393,7 +403,8 @@ def operand_args(
     return dict(
         KP=-(-K // align) * align, align=align, log2_h=(hadamard_size or 1).bit_length() - 1,
         norm=HADAMARD_NORM[hadamard_size] if hadamard_size else 1.0,
-        has_signs=signs_seed is not None, sign_key=as_int32(_lowbias32_int(signs_seed)) if signs_seed is not None else 0,
+        has_signs=signs_seed is not None,
+        sign_key=as_int32(_lowbias32_int(signs_seed)) if signs_seed is not None else 0,
         sr=rounding == "sr", sr_key=as_int32(sr_key(sr_seed)) if rounding == "sr" else 0,
         scale_mode=SCALE_MODE_IDS[scale_mode],
     )

@@ -96,7 +96,8 @@ def _quantize_both_kernel(
             xb = _transform(tl.trans(x), rows, sign_key_b, norm_b, BLOCK_C, BLOCK_R, LOG2_HB, HAS_SIGNS_B, True)
             eb, finb = _blocks(xb, BLOCK_C, BLOCK_R, SCALE_MODE_B)
             _emit_chunk(xb, eb, finb, tl.zeros((BLOCK_C,), tl.int32), cols, rows_b_ok, pid_r * BLOCK_R, RP, sr_key_b,
-                        codes_b_ptr, scales_b_ptr, e4b_ptr, e4b_bits_ptr, BLOCK_C, BLOCK_R, SR_B, True, False, NAN_BY_CAST, True)
+                        codes_b_ptr, scales_b_ptr, e4b_ptr, e4b_bits_ptr,
+                        BLOCK_C, BLOCK_R, SR_B, True, False, NAN_BY_CAST, True)
         else:
             emax_a = tl.load(emaxa_ptr + rows, mask=rows_a_ok, other=0).to(tl.int32) - 127
             tl.store(rsa_ptr + rows, pow2(emax_a - 6), mask=rows_a_ok & (pid_c == 0))

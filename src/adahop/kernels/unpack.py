@@ -48,7 +48,8 @@ def _mxfp4_unpack_kernel(
     NSB = KP // 32
 
     bidx = k0 // 32 + tl.arange(0, NB)
-    sb = tl.load(scales_ptr + rows[:, None].to(tl.int64) * NSB + bidx[None, :], mask=row_ok[:, None] & (bidx[None, :] < NSB), other=0).to(tl.int32)
+    sb = tl.load(scales_ptr + rows[:, None].to(tl.int64) * NSB + bidx[None, :],
+                 mask=row_ok[:, None] & (bidx[None, :] < NSB), other=0).to(tl.int32)
     e_ref = tl.load(emax_ptr + rows, mask=row_ok, other=-127)[:, None]
     pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     pm = row_ok[:, None] & (pcols[None, :] < KP // 2)
@@ -92,7 +93,8 @@ def unpack_to_e4m3(q: MXFP4Tensor, *, block_r: int = 16, block_k: int = 256, num
     if R == 0:
         return e4, rs
     emax = torch.empty((R,), dtype=torch.int32, device=dev)
-    _ROW_EXPONENT[(cdiv(R, block_r),)](q.scale_e8m0, emax, rs, R, KP // 32, BLOCK_R=block_r, BLOCK_B=64, num_warps=num_warps)
+    _ROW_EXPONENT[(cdiv(R, block_r),)](q.scale_e8m0, emax, rs, R, KP // 32, BLOCK_R=block_r, BLOCK_B=64,
+                                       num_warps=num_warps)
     if KP:
         _UNPACK[(cdiv(R, block_r), cdiv(KP, block_k))](
             q.codes, q.scale_e8m0, emax, e4, nan_bytes_view(e4), R, KP,

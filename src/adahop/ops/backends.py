@@ -29,8 +29,9 @@ kernel + the reference GEMM; also under ``TRITON_INTERPRET=1`` on the CPU), ``ho
 (Triton quantize to e4m3 + row scales, ``torch._scaled_mm`` on FP8 tensor cores: CUDA GPUs of
 compute capability 8.9 or more) and ``native_mx`` (the packed MXFP4 operands into
 ``tl.dot_scaled``: only GPUs with MX tensor cores that Triton lowers it to natively, NVIDIA
-compute capability 10.x and AMD gfx950). On Hopper, Triton's ``tl.dot_scaled`` upcasts to BF16 and runs at 0.15x BF16 (measured
-on the H200), so ``native_mx`` is refused there, even when asked for by name.
+compute capability 10.x and AMD gfx950). On Hopper, Triton's ``tl.dot_scaled`` upcasts to BF16
+and runs at 0.15x BF16 (measured on the H200), so ``native_mx`` is refused there, even when asked
+for by name.
 
 ``auto`` picks ``native_mx`` on MX tensor cores, else ``hopper_fp8`` on FP8 tensor cores, else
 ``reference``. Asking for a backend that cannot run is an error naming why, never a silent

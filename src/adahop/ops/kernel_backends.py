@@ -200,7 +200,8 @@ class HopperFP8Backend:
         c = None
         if out_dtype == torch.bfloat16 or (out_dtype == torch.float32 and self.rowwise_fp32_out):
             try:
-                c = torch._scaled_mm(a_e4, b_e4.t(), scale_a=a_s, scale_b=b_s, out_dtype=out_dtype, use_fast_accum=self.use_fast_accum)
+                c = torch._scaled_mm(a_e4, b_e4.t(), scale_a=a_s, scale_b=b_s, out_dtype=out_dtype,
+                                     use_fast_accum=self.use_fast_accum)
             except RuntimeError as e:  # only torch's refusal of the output dtype; anything else is raised
                 if out_dtype == torch.bfloat16 or isinstance(e, torch.OutOfMemoryError) or "supported" not in str(e):
                     raise
@@ -210,7 +211,8 @@ class HopperFP8Backend:
                 type(self).rowwise_fp32_out = False
         if c is None:
             one = torch.ones((), dtype=torch.float32, device=a_e4.device)
-            c = torch._scaled_mm(a_e4, b_e4.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=self.use_fast_accum)
+            c = torch._scaled_mm(a_e4, b_e4.t(), scale_a=one, scale_b=one, out_dtype=torch.float32,
+                                 use_fast_accum=self.use_fast_accum)
             c = (c * a_s * b_s).to(out_dtype)
         return c[:M, :N] if padded else c
 
