@@ -12,7 +12,7 @@ Hardware. On GPUs with MX tensor cores that Triton 3.6 lowers it to natively (NV
 capability 10.x, AMD gfx950) ``tl.dot_scaled`` is the native block-scaled MMA; consumer Blackwell
 (12.x) is refused until checked (``ops.backends.native_mx_arch``). On Hopper it decomposes it into an
 upcast to BF16 and a BF16 MMA: 108 TFLOP/s at 8192^3 on the H200, 0.15x a cuBLAS BF16 GEMM
-(``benchmarks/bench_hopper.py --sections mx``): correct, and how we test this kernel on the H200,
+(``benchmarks/bench_gemm.py --sections mx``): correct, and how we test this kernel on the H200,
 but never chosen there (``ops.backends`` gates it; docs/kernels.md, 'The native MX GEMM').
 
 Edges. Rows past M or N and K past KP load code 0 with scale byte 127 (the value 0), so ragged

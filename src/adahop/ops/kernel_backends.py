@@ -157,7 +157,7 @@ class HopperFP8Backend:
         return E4M3Operand(a["e4m3"], a["row_scale"]), E4M3Operand(b["e4m3"], b["row_scale"]), a.get("norms")
 
     # x [T, K] both ways from one kernel only from this K up (docs/kernels.md, 'Both orientations in
-    # one kernel (quantize_both)'). Measured on the H200 at T = 16384 (``benchmarks/bench_hopper.py
+    # one kernel (quantize_both)'). Measured on the H200 at T = 16384 (``benchmarks/bench_kernels.py
     # --sections bothx``), fused against two calls: K = 768: 0.156 / 0.130 ms, 2048: 0.160 / 0.151,
     # 4096: 0.259 / 0.273, 8192: 0.505 / 0.526, 14336: 0.871 / 0.912. Up to K = 2048 a row fits one
     # chunk of the e4m3 kernel (one read, one launch), so the two calls read x twice in two
