@@ -2,7 +2,8 @@
 
 Setup
 -----
-One GEMM ``C = A B`` with ``A: [M, Kc]`` and ``B: [Kc, Nc]`` (SPEC.md section 4). Each operand is
+One GEMM ``C = A B`` with ``A: [M, Kc]`` and ``B: [Kc, Nc]`` (docs/method.md, 'Outlier patterns and
+their detection'). Each operand is
 i.i.d. standard Gaussian, then a few slices (``--outlier-frac``, 1% by default) are multiplied by
 a magnitude (``--magnitudes``, 10x, 25x and 50x by default):
 
@@ -16,12 +17,13 @@ matters where A's outlier columns sit relative to B's outlier rows (``PLACEMENTS
 (col, row) row draws *different* channels at random (some then share a 32-block, by chance);
 three more rows fix the placement: the same channels, different channels in the same 32-blocks,
 and never in a common block. (A single channel that is an outlier in both operands dominates
-||C||^2, so letting coincidences happen by chance would make the seed average meaningless.) The planted patterns are checked with ``adahop.detect_outlier_pattern``:
-A as [M, Kc], B as [Kc, Nc], and B's transpose (the [Nc, Kc] "NT" operand the backends see) must
-read as the flipped pattern. A mismatch is printed as a warning line under the table.
+||C||^2, so letting coincidences happen by chance would make the seed average meaningless.) The
+planted patterns are checked with ``adahop.detect_outlier_pattern``: A as [M, Kc], B as [Kc, Nc],
+and B's transpose (the [Nc, Kc] "NT" operand the backends see) must read as the flipped pattern.
+A mismatch is printed as a warning line under the table.
 
 Each pair is multiplied with every method, through the library's own GEMM path
-(``adahop.linear.make_gemm_plan`` + ``_mxfp4_gemm`` on the ``reference`` backend, i.e. the exact
+(``adahop.linear.make_gemm_plan`` + ``mxfp4_gemm`` on the ``reference`` backend, i.e. the exact
 MXFP4 numerics), with RNE rounding, the ``even`` scale mode, blocks of 32, Hadamard size 32 and no
 random signs:
 
@@ -40,13 +42,13 @@ mode (no separate run). The metric is the output SQNR against a float64 product,
 
 Usage
 -----
-    python benchmarks/quant_error_study.py            # full study, writes the markdown result
+    python benchmarks/quant_error_study.py            # full study, writes runs/bench/quant_error_study.md
     python benchmarks/quant_error_study.py --quick    # small sizes, one seed, stdout only
 
 Flags (see ``--help``): ``--m/--kc/--nc`` sizes, ``--seeds``, ``--magnitudes``, ``--outlier-frac``,
 ``--oe-k``, ``--threads`` (1 by default: the reference quantizer is many small elementwise ops,
 fastest single-threaded on a busy machine), ``--out`` (markdown path; ``--quick`` writes no file
-unless ``--out`` is given, so a test never overwrites the committed result). The "What it shows"
+unless ``--out`` is given, so a test never overwrites a result). The "What it shows"
 bullets are computed from the numbers of the run; the mechanism paragraph after them is fixed text
 written for the default run.
 """
@@ -54,21 +56,20 @@ written for the default run.
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
-import shlex
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from common import environment, print_environment
 
 import adahop
 from adahop.config import GemmConfig
-from adahop.linear import _mxfp4_gemm, make_gemm_plan
-from adahop.ops.outliers import topk_outer
+from adahop.linear import make_gemm_plan, mxfp4_gemm
 from adahop.ops import get_backend
+from adahop.ops.outliers import topk_outer
 from adahop.policy import flip, table_mode
 
 PATTERNS = ("row", "none", "col")
@@ -96,7 +97,7 @@ METHOD_LABELS = {
     "bf16": "BF16",
 }
 HADAMARD_SIZE = 32
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "quant_error_study.md"
+DEFAULT_OUT = Path("runs") / "bench" / "quant_error_study.md"
 
 
 # ---- step 1: operands --------------------------------------------------------------------------
@@ -133,7 +134,9 @@ def make_operands(case, m, kc, nc, frac, magnitude, seed):
     gen = torch.Generator().manual_seed(seed)
     a = torch.randn(m, kc, generator=gen)
     b = torch.randn(kc, nc, generator=gen)
-    count = lambda n: max(1, round(frac * n))
+    def count(n):
+        return max(1, round(frac * n))
+
     if (pat_a, pat_b) == ("col", "row"):  # both inner: their relative placement matters
         idx_a, idx_b = inner_outlier_channels(kc, count(kc), placement, gen)
         return scale_slices(a, 1, idx_a, magnitude), scale_slices(b, 0, idx_b, magnitude)
@@ -179,7 +182,7 @@ def gemm(mode: str, a: torch.Tensor, b: torch.Tensor, oe_k: int) -> torch.Tensor
     )
     plan = make_gemm_plan(mode, cfg, sr_seeds=(0, 0), signs_seed=0)
     # NT form: A [M, Kc] along dim 1, B^T [Nc, Kc] along dim 1.
-    return _mxfp4_gemm(
+    return mxfp4_gemm(
         plan, get_backend("reference"), a, 1, b.t(), 1,
         a_hp=lambda idx: a_hp if idx is None else a_hp[idx],
         b_hp=lambda: b_hp,
@@ -204,7 +207,7 @@ class CaseResult:
 
 def oe_energy_shares(ref: torch.Tensor, a: torch.Tensor, b: torch.Tensor, k: int) -> tuple[float, float]:
     """Share of ||C||^2 in the output rows / columns that OE-left / OE-right compute in BF16
-    (the slices ``topk_outer`` picks, as ``_mxfp4_gemm`` does)."""
+    (the slices ``topk_outer`` picks, as ``mxfp4_gemm`` does)."""
     total = ref.square().sum()
     rows = topk_outer(a, 0, k)
     cols = topk_outer(b.t(), 0, k)
@@ -223,7 +226,9 @@ def run_case(case, magnitude, args) -> CaseResult:
         shares.append(oe_energy_shares(ref, a, b, args.oe_k))
         for method in METHODS:
             per_method[method].append(sqnr_db(ref, gemm(method, a, b, args.oe_k)))
-    mean = lambda v: sum(v) / len(v)
+    def mean(v):
+        return sum(v) / len(v)
+
     return CaseResult(
         {m: mean(v) for m, v in per_method.items()},
         mean([r for r, _ in shares]), mean([c for _, c in shares]), warnings,
@@ -282,7 +287,10 @@ def findings(results_by_mag: dict) -> str:
     mags = list(results_by_mag)
     sq = {mag: {case: r.sqnr for case, r in res.items()} for mag, res in results_by_mag.items()}
     iid = {mag: sq[mag][(("none", "none"), "distinct")] for mag in mags}
-    gain = lambda case, hi, lo: {mag: sq[mag][case][hi] - sq[mag][case][lo] for mag in mags}
+
+    def gain(case, hi, lo):
+        return {mag: sq[mag][case][hi] - sq[mag][case][lo] for mag in mags}
+
     out = [f"- i.i.d. reference (none, none): MXFP4 {iid[mags[0]]['mxfp4']:.2f} dB, IHT "
            f"{iid[mags[0]]['iht']:.2f} dB: a Hadamard does nothing for Gaussian data."]
 
@@ -304,7 +312,10 @@ def findings(results_by_mag: dict) -> str:
         + (f"; at {', '.join(f'{m:g}x' for m in fails)} IHT is no better than naive MXFP4: the "
            "table's IHT does not rescue this case." if fails else ".")
     )
-    per_mag = lambda case, mode: ", ".join(f"{sq[m][case][mode]:.1f}" for m in mags)
+
+    def per_mag(case, mode):
+        return ", ".join(f"{sq[m][case][mode]:.1f}" for m in mags)
+
     out.append(
         f"- Where that comes from: with A's and B's outlier channels in the same 32-blocks but on "
         f"different channels, MXFP4 gives {per_mag(inner['same_block'], 'mxfp4')} dB and IHT "
@@ -362,15 +373,17 @@ def findings(results_by_mag: dict) -> str:
 
 
 def header(args, elapsed: float) -> str:
-    cmd = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/quant_error_study.py", *args.argv])
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    count = lambda n: max(1, round(args.outlier_frac * n))
+    env = args.env
+
+    def count(n):
+        return max(1, round(args.outlier_frac * n))
+
     placements = "; ".join(f"{case_label((('col', 'row'), p))}: {d}" for p, d in PLACEMENTS.items())
     return (
         "# GEMM quantization error per outlier-pattern pair\n\n"
-        f"- command: `{cmd}`\n"
-        f"- date: {now}; torch {torch.__version__}; adahop {adahop.__version__}; "
-        f"{torch.get_num_threads()} CPU thread(s); runtime {elapsed:.0f} s\n"
+        f"- command: `{env['command']}`\n"
+        f"- date: {env['date']}; torch {env['torch']}; adahop {env['adahop']}; commit {env['commit'] or 'unknown'}; "
+        f"{torch.get_num_threads()} CPU thread(s) (no GPU: the reference backend); runtime {elapsed:.0f} s\n"
         f"- C = A B, A: [M={args.m}, Kc={args.kc}], B: [Kc={args.kc}, Nc={args.nc}]; N(0, 1) "
         f"entries; outliers: {args.outlier_frac:.0%} of the pattern's slices ({count(args.m)} of M, "
         f"{count(args.kc)} of Kc, {count(args.nc)} of Nc) scaled by "
@@ -445,7 +458,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Without --quick the report goes to benchmarks/results/quant_error_study.md.",
+        epilog=f"Without --quick the report goes to {DEFAULT_OUT} unless --out says where.",
     )
     p.add_argument("--quick", action="store_true",
                    help="small sizes (256), one seed, OE k=16, no file unless --out: for tests")
@@ -455,7 +468,8 @@ def parse_args(argv=None):
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="data seeds; default 0 1 2, 0 with --quick")
     p.add_argument("--magnitudes", type=float, nargs="+", default=[10.0, 25.0, 50.0],
                    help="outlier scale factors, one table each; default 10 25 50")
-    p.add_argument("--outlier-frac", type=float, default=0.01, help="fraction of slices that are outliers; default 0.01")
+    p.add_argument("--outlier-frac", type=float, default=0.01,
+                   help="fraction of slices that are outliers; default 0.01")
     p.add_argument("--oe-k", type=int, default=None,
                    help="OE slices; default 64 (the library default), 16 with --quick (same 6.25%% of 256)")
     p.add_argument("--threads", type=int, default=1,
@@ -463,10 +477,10 @@ def parse_args(argv=None):
                         "quantizer is many small elementwise ops, and with 2+ threads on a busy "
                         "machine each op waits for its OpenMP team (measured 20x slower)")
     p.add_argument("--out", type=Path, default=None,
-                   help=f"markdown output; default {DEFAULT_OUT.relative_to(DEFAULT_OUT.parents[2])} "
-                        "(none with --quick)")
+                   help=f"markdown output; default {DEFAULT_OUT} (none with --quick)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for the report's header
+    args.env = environment("quant_error_study.py", args.argv)
     size = 256 if args.quick else 1024
     args.m = size if args.m is None else args.m
     args.kc = size if args.kc is None else args.kc
@@ -484,6 +498,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> str:
     args = parse_args(argv)
+    print_environment(args.env)
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()

@@ -97,9 +97,14 @@ class LayerPlan:
 PLAIN_MODES = ("mxfp4", "iht")
 
 
-def _mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=None, b_cols_hp=None, b_cols_idx=None, a_q=None, a_norms=None, b_cast_to=None, out_dtype):
-    """C = A @ B with A given as 2-D ``a`` (contraction along ``a_dim``) and B's transpose as 2-D
-    ``b`` (contraction along ``b_dim``): the NT form. OE slices are chosen, zeroed, computed in
+def mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=None, b_cols_hp=None, b_cols_idx=None, a_q=None, a_norms=None, b_cast_to=None, out_dtype):
+    """One GEMM of a layer as its plan (``make_gemm_plan``) says, on ``backend``: C = A @ B with
+    both operands quantized to MXFP4 along the contraction (after the plan's Hadamard transform,
+    with its rounding and scale mode), the product in ``out_dtype``, and for the OE modes the
+    plan's ``oe_k`` outer slices computed in high precision.
+
+    A is given as 2-D ``a`` (contraction along ``a_dim``) and B's transpose as 2-D ``b``
+    (contraction along ``b_dim``): the NT form. OE slices are chosen, zeroed, computed in
     high precision and written over the MXFP4 result (whose zeroed slices are exactly 0).
 
     ``a_hp(rows)`` / ``b_hp`` give the high-precision matrices for OE; for wgrad's OE-right the
@@ -156,7 +161,7 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
         if not fp.quantized:
             y_TN = x_TK @ w_NK.t()
         else:
-            y_TN = _mxfp4_gemm(
+            y_TN = mxfp4_gemm(
                 fp, backend, x_TK, 1, w_NK, 1,
                 a_hp=lambda idx: x_TK if idx is None else x_TK[idx],
                 b_hp=lambda: w_NK.t(),
@@ -217,7 +222,7 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
             if not dg.quantized:
                 dx_TK = g_TN @ w_NK
             else:
-                dx_TK = _mxfp4_gemm(
+                dx_TK = mxfp4_gemm(
                     dg, backend, g_TN, 1, w_NK, 0,
                     a_hp=lambda idx: g_TN if idx is None else g_TN[idx],
                     b_hp=lambda: w_NK,
@@ -246,7 +251,7 @@ class _AdaHOPLinearFunction(torch.autograd.Function):
                 # parameter's dtype (float32 master weights under autocast): its fp32
                 # accumulation is kept rather than rounded to bf16, and autograd has no cast
                 # to make (0.18 ms at (14336, 4096) on the H200).
-                dw_NK = _mxfp4_gemm(
+                dw_NK = mxfp4_gemm(
                     wg, backend, g_TN, 0, x_q, 0,
                     a_hp=lambda idx: g_TN.t(),
                     b_cols_hp=cols_hp, b_cols_idx=cols_idx,

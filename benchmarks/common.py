@@ -1,0 +1,205 @@
+"""What the benchmark scripts share: the environment header, timing, the test operands, and the
+results file.
+
+- ``environment()``: GPU, CUDA, torch, triton, adahop, git commit, date, command. Every script
+  prints it first (``print_environment``) and every row it writes carries it.
+- ``bench(fn)``: ``triton.testing.do_bench`` median (ms) after its warm-up.
+- ``paired_speedup(base_fn, fn, pairs)``: the baseline and the variant timed alternately
+  ``pairs`` times, the ratio of the two medians (a baseline timed once moves every ratio with
+  its own drift).
+- ``activation(shape)``: random operands with channel outliers, as activations have (never
+  zeros: a GEMM on zeros runs faster than on data).
+- ``Results``: appends one JSON line per row to a file (default ``runs/bench/<script>.jsonl``),
+  each with the environment, so rows from several machines and days can sit in one file.
+- ``require_cuda``: the one-line refusal of the GPU-only scripts on a machine without CUDA.
+
+``DEVICE`` is where the operands are made ("cuda"); the CPU smoke tests set it to "cpu" and run
+the sections at tiny sizes under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import adahop
+
+DEVICE = "cuda"
+LLAMA_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)]  # (N, K) of Llama-3-8B's layers
+T = 16384  # tokens per GEMM: 16 sequences of 1024, or 32 of 512
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT_DIR = Path("runs") / "bench"
+
+
+# ---- environment ----------------------------------------------------------------------------------
+def git_commit() -> str | None:
+    """The checkout's commit (``+dirty`` when tracked files differ from it), else ``$ADAHOP_COMMIT``
+    (for a copy of the tree without its .git), else None."""
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10)
+            return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("ADAHOP_COMMIT") or None
+
+
+def environment(script: str, argv: list[str] | None = None) -> dict:
+    """Where and with what a benchmark ran: ``script`` (its file name) with the arguments ``argv``
+    (default: this process's)."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    cuda = torch.cuda.is_available()
+    args = sys.argv[1:] if argv is None else argv
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "capability": ".".join(map(str, torch.cuda.get_device_capability())) if cuda else None,
+        "cuda": torch.version.cuda if cuda else None,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "adahop": adahop.__version__,
+        "commit": git_commit(),
+        "python": platform.python_version(),
+        "command": " ".join(shlex.quote(a) for a in ["python", f"benchmarks/{script}", *args]),
+    }
+    return env
+
+
+def print_environment(env: dict) -> None:
+    gpu = f"{env['gpu']} (sm {env['capability']}, CUDA {env['cuda']})" if env["gpu"] else "no GPU (CPU)"
+    print(f"{gpu}; torch {env['torch']}, triton {env['triton']}, adahop {env['adahop']}, "
+          f"commit {env['commit'] or 'unknown'}; {env['date']}", flush=True)
+
+
+def require_cuda(script: str) -> None:
+    """Exit with status 2 and one line on stderr when there is no CUDA GPU."""
+    if not torch.cuda.is_available():
+        print(f"{script}: needs a CUDA GPU (torch.cuda.is_available() is False on this machine)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+# ---- timing -------------------------------------------------------------------------------------------
+def bench(fn, rep: int = 100) -> float:
+    """Median time of ``fn()`` in ms: ``do_bench`` runs it for about 25 ms of warm-up, then for
+    ``rep`` ms, and flushes the L2 cache before each call."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def paired_speedup(base_fn, fn, pairs: int, rep: int = 100) -> tuple[float, list[float], list[float]]:
+    """The baseline's time over ``fn``'s, from ``pairs`` alternating timings of the two, as the
+    ratio of the two medians; with every timing, for the record. (The H200's BF16 time for one
+    layer moved by up to 17% between runs of one day, 7.78-9.07 ms at (14336, 4096): one BF16
+    timing per shape moved every ratio with it.)"""
+    t_base, t = [], []
+    for _ in range(pairs):
+        t_base.append(bench(base_fn, rep=rep))
+        t.append(bench(fn, rep=rep))
+    return statistics.median(t_base) / statistics.median(t), t_base, t
+
+
+# ---- operands and comparisons ---------------------------------------------------------------------------
+def activation(shape, dtype=torch.bfloat16, seed=0) -> torch.Tensor:
+    """N(0, 1) on ``DEVICE`` with the first 8 columns 30x larger (channel outliers)."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(shape, generator=g, device=DEVICE)
+    x[:, :8] *= 30
+    return x.to(dtype)
+
+
+def same_bits(a: dict, b: dict) -> bool:
+    """Two outputs of the quantize kernels (``quantize_operand_triton``'s dicts) are bit-identical:
+    the e4m3 bytes and row scales, and the packed codes and scale bytes, whichever are there."""
+    same = True
+    if "e4m3" in a:
+        same &= torch.equal(a["e4m3"].view(torch.uint8), b["e4m3"].view(torch.uint8)) and \
+            torch.equal(a["row_scale"], b["row_scale"])
+    if "mx" in a:
+        same &= torch.equal(a["mx"].codes, b["mx"].codes) and torch.equal(a["mx"].scale_e8m0, b["mx"].scale_e8m0)
+    return bool(same)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+# ---- arguments and results -----------------------------------------------------------------------------
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """'all' (``LLAMA_SHAPES``) or shapes 'N,K' joined by '/'."""
+    if text == "all":
+        return list(LLAMA_SHAPES)
+    try:
+        shapes = [tuple(int(v) for v in part.split(",")) for part in text.split("/")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise ValueError(f"--shapes takes 'all' or N,K pairs joined by '/' (e.g. 14336,4096/4096,4096), got {text!r}")
+    return shapes
+
+
+def parse_sections(text: str, known: tuple[str, ...]) -> list[str]:
+    sections = [s for s in text.split(",") if s]
+    unknown = [s for s in sections if s not in known]
+    if unknown or not sections:
+        raise ValueError(f"--sections takes a comma-separated subset of {','.join(known)}, got {text!r}")
+    return sections
+
+
+def default_out(script: str) -> Path:
+    return DEFAULT_OUT_DIR / f"{script}.jsonl"
+
+
+class Results:
+    """Rows appended to a JSONL file, each ``{"benchmark", "section", <the row>, "env"}``."""
+
+    def __init__(self, path: str | os.PathLike, benchmark: str, env: dict):
+        self.path, self.benchmark, self.env = Path(path), benchmark, env
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, section: str, rows: list[dict]) -> None:
+        with self.path.open("a") as f:
+            for row in rows:
+                f.write(json.dumps({"benchmark": self.benchmark, "section": section, **row, "env": self.env},
+                                   default=str) + "\n")
+
+
+def run_sections(sections: list[str], run, results: Results) -> int:
+    """``run(name)`` returns a section's rows; each section's rows are written when it ends. A
+    section that raises is reported (traceback printed, an ``error`` row written) and the others
+    still run. Returns 1 if any section failed, else 0."""
+    import time
+    import traceback
+
+    failed = False
+    for name in sections:
+        t0 = time.perf_counter()
+        try:
+            rows = run(name)
+        except Exception:
+            failed = True
+            error = traceback.format_exc()
+            print(error, file=sys.stderr, flush=True)
+            rows = [{"error": error}]
+        results.write(name, rows)
+        print(f"[{name}] {time.perf_counter() - t0:.0f} s, {len(rows)} rows -> {results.path}", flush=True)
+    return 1 if failed else 0
