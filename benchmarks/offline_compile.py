@@ -1,9 +1,10 @@
-"""Compile the library's Triton kernels for a CUDA GPU on a machine without one.
+"""Compile the library's Triton kernels for a CUDA GPU on a machine without one (a developer
+tool on Triton's compiler internals, not part of the installed package).
 
 The CPU tests run the kernels under Triton's interpreter (``TRITON_INTERPRET=1``), which executes
 the Python of a kernel but compiles nothing: code the interpreter accepts can still fail to
-compile for a GPU (``tl.multiple_of`` on a literal did, in session 10). This module is the check
-for that, without a GPU:
+compile for a GPU (``tl.multiple_of`` on a literal did). This module is the check for that,
+without a GPU (docs/kernels.md, 'Offline compile check'):
 
 Inside ``with compile_launches():``, host code (the library's kernel entry points on CPU tensors,
 ``library_launches``) runs with every ``FastLauncher`` launch replaced by a compilation for the
@@ -14,14 +15,18 @@ left unwritten (the host code around the launches runs on uninitialised memory; 
 compiled matters). ``tl.dot_scaled``'s GEMM (``kernels.mx_gemm``) launches without
 ``FastLauncher`` and is not covered: Hopper never runs it (``ops.backends``).
 
-    python -m adahop.kernels.offline          # every launch of ``library_launches``, sm_90 and sm_89
+    python benchmarks/offline_compile.py               # every launch of library_launches, sm_90 and sm_89
+    python benchmarks/offline_compile.py --archs 90
 
 It must run without ``TRITON_INTERPRET=1`` (``triton.jit`` reads it at import): the tests run it
-in a subprocess (tests/test_offline_compile.py).
+in a subprocess (tests/test_offline_compile.py). ``benchmarks/sass_count.py`` builds on
+``compile_launches``. It uses Triton's private compiler API (``triton.compiler``,
+``JITFunction._pack_args``), checked with Triton 3.6.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -70,7 +75,8 @@ def compile_launches(arch: int = 90):
             seen.add(key)
             t0 = time.perf_counter()
             compiled = build()
-            done.append((self.fn.__name__, {k: v for k, v in kw.items() if k[0].isupper()}, time.perf_counter() - t0, compiled))
+            constexprs = {k: v for k, v in kw.items() if k[0].isupper()}
+            done.append((self.fn.__name__, constexprs, time.perf_counter() - t0, compiled))
 
     real = FastLauncher.launch
     FastLauncher.launch = launch
@@ -118,11 +124,19 @@ def library_launches() -> None:
     topk_indices(torch.rand(40000), 64)
 
 
-def main(archs=(90, 89)) -> int:
-    """Compile every launch of ``library_launches`` for each CUDA arch: Hopper (sm_90) and Ada
-    (sm_89, the other GPUs ``hopper_fp8`` runs on)."""
+def main(argv=None) -> int:
+    """Compile every launch of ``library_launches`` for each CUDA arch: by default Hopper
+    (sm_90) and Ada (sm_89, the other GPUs ``hopper_fp8`` runs on)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--archs", nargs="+", type=int, default=[90, 89],
+                   help="CUDA compute capabilities to compile for, as major*10+minor (default: 90 89)")
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("offline_compile.py: unset TRITON_INTERPRET: offline compilation needs the compiled kernels",
+              file=sys.stderr)
+        return 2
     total = 0
-    for arch in archs:
+    for arch in args.archs:
         t0 = time.perf_counter()
         with compile_launches(arch) as done:
             library_launches()
@@ -134,6 +148,4 @@ def main(archs=(90, 89)) -> int:
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        sys.exit("unset TRITON_INTERPRET: offline compilation needs the compiled kernels")
     sys.exit(main())

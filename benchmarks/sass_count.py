@@ -1,23 +1,21 @@
 """Offline SASS instruction counts of the fused quantize kernels for sm_90 (Hopper), no GPU needed.
 
 Runs the library's own entry points (``quantize_operand_triton`` per 16 x 256 chunk,
-``quantize_both`` per 64 x 64 tile) on CPU tensors inside ``kernels.offline.compile_launches``,
+``quantize_both`` per 64 x 64 tile) on CPU tensors inside ``offline_compile.compile_launches``,
 so what is compiled is exactly what those calls launch on an H100/H200 (signature,
 specializations and constexprs by Triton's own binder), disassembles each kernel with the
 ``cuobjdump`` that ships with Triton, and prints the instruction count per launch and the classes
 that decide its speed: conversions (F2I, I2F, FRND, F2FP: a quarter of the FP32 rate on sm_90),
 integer multiplies, warp shuffles and shared-memory traffic. A cheap check of a kernel change
-before spending GPU time on it (design.md: "the layout lesson").
+before spending GPU time on it (docs/kernels.md, 'Layout rules for Triton').
 
     python benchmarks/sass_count.py                      # the default variants
     python benchmarks/sass_count.py --block-r 16 --block-k 256 --warps 4
 
-It must run without ``TRITON_INTERPRET=1`` (as ``kernels.offline``).
-
-Counts quoted before the end of session 10 came from hand-written kernel signatures. Those gave
-the e4m3 emit a runtime ``n_splits``, where a layer-sized operand (one K range per row group)
-gets the constant 1. So they were about 100 instructions above what this prints for that launch:
-904 / 1,208 there against 800 / 1,104 here, for the same code.
+It must run without ``TRITON_INTERPRET=1`` (as ``offline_compile.py``). The counts are those of
+the launches the library makes: a hand-written kernel signature can differ from them (a runtime
+``n_splits`` where a layer-sized operand gets the constant 1 added about 100 instructions to the
+e4m3 emit).
 """
 
 from __future__ import annotations
@@ -26,13 +24,14 @@ import argparse
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from collections import Counter
 
 import torch
 import triton
+from offline_compile import compile_launches
 
-from adahop.kernels.offline import compile_launches
 from adahop.kernels.quantize import quantize_operand_triton
 from adahop.kernels.quantize_both import quantize_both
 
@@ -55,25 +54,32 @@ def sass(compiled) -> list[str]:
 
 
 def launches(call) -> dict[int, list[str]]:
-    """SASS of each kernel ``call()`` launches, by its PHASE."""
+    """SASS of each quantize kernel ``call()`` launches, by its PHASE (the launches without one,
+    such as ``quantize_both``'s row-exponent reduction between its two passes, are not counted)."""
     with compile_launches() as done:
         call()
-    return {meta["PHASE"]: sass(compiled) for _, meta, _, compiled in done}
+    return {meta["PHASE"]: sass(compiled) for _, meta, _, compiled in done if "PHASE" in meta}
 
 
 def opcode(ins: str) -> str:
     return (ins.split()[1] if ins.startswith("@") else ins.split()[0]).split(".")[0]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--block-r", type=int, default=16)
-    p.add_argument("--block-k", type=int, default=256)
-    p.add_argument("--warps", type=int, default=4)
-    p.add_argument("--log2-h", type=int, default=5, help="Hadamard size 2**N (0: none)")
-    p.add_argument("--both-tile", type=int, default=64, help="quantize_both's square tile")
-    p.add_argument("--both-warps", type=int, default=4)
-    a = p.parse_args()
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("--block-r", type=int, default=16, help="rows per program of quantize_operand_triton (default: 16)")
+    p.add_argument("--block-k", type=int, default=256,
+                   help="columns per chunk of quantize_operand_triton (default: 256)")
+    p.add_argument("--warps", type=int, default=4, help="warps of quantize_operand_triton (default: 4)")
+    p.add_argument("--log2-h", type=int, default=5, help="Hadamard size 2**N (0: none) (default: 5)")
+    p.add_argument("--both-tile", type=int, default=64, help="quantize_both's square tile (default: 64)")
+    p.add_argument("--both-warps", type=int, default=4, help="warps of quantize_both (default: 4)")
+    a = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("sass_count.py: unset TRITON_INTERPRET: the SASS is that of the compiled kernels", file=sys.stderr)
+        return 2
     h = 1 << a.log2_h if a.log2_h else None
     print(f"chunk {a.block_r} x {a.block_k}, {a.warps} warps, Hadamard {h or 'none'}")
     print(f"{'variant':<22}{'instructions':>13}" + "".join(f"{c:>16}" for c in CLASSES))
@@ -96,12 +102,14 @@ def main() -> None:
     iht, iht_sr = dict(hadamard_size=32), dict(hadamard_size=32, **SR)
     x_both = launches(lambda: quantize_both(xb, iht, iht, rows_form="packed", **tile))
     report("x: phase 1 (+packed)", x_both[1])
-    report("x: phase 1, col norms", launches(lambda: quantize_both(xb, iht, iht, rows_form="packed", col_norms=True, **tile))[1])
+    x_norms = launches(lambda: quantize_both(xb, iht, iht, rows_form="packed", col_norms=True, **tile))
+    report("x: phase 1, col norms", x_norms[1])
     report("x: phase 2", x_both[2])
     g_both = launches(lambda: quantize_both(xb, iht_sr, iht_sr, **tile))
     report("g: phase 1", g_both[1])
     report("g: phase 1, row norms", launches(lambda: quantize_both(xb, iht_sr, iht_sr, row_norms=True, **tile))[1])
     report("g: phase 2", g_both[2])
+    return 0
 
 
 def report(name: str, sass_lines: list[str]) -> None:
@@ -111,4 +119,4 @@ def report(name: str, sass_lines: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

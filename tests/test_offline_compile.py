@@ -1,21 +1,32 @@
 """Every launch variant of the Triton kernels compiles for Hopper (sm_90) and Ada (sm_89), on a
-machine without a GPU (``adahop.kernels.offline``). The interpreter runs the kernels' Python but
-compiles nothing, so a kernel can pass every CPU test and still fail to compile on the GPU; this
-catches that in CI. It runs in a subprocess: the kernels must be imported without
-``TRITON_INTERPRET=1``."""
+machine without a GPU (benchmarks/offline_compile.py, a developer tool outside the package). The
+interpreter runs the kernels' Python but compiles nothing, so a kernel can pass every CPU test
+and still fail to compile on the GPU; this catches that in CI. The SASS counts of
+benchmarks/sass_count.py come from the same compilations. Both run in a subprocess: the kernels
+must be imported without ``TRITON_INTERPRET=1``."""
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run(script, *args, interpret=False, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, str(BENCH / script), *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
 
 def test_every_launch_variant_compiles_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "adahop.kernels.offline"], env=env, capture_output=True, text=True, timeout=600)
+    out = run("offline_compile.py")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     compiled = [line.split()[2:4] for line in out.stdout.splitlines() if " s  _" in line]
     kernels = {"_mxfp4_quantize_kernel", "_quantize_both_kernel", "_partial_max_kernel", "_row_exponent_kernel",
@@ -25,7 +36,25 @@ def test_every_launch_variant_compiles_for_sm90():
         assert f"kernels for {arch}" in out.stdout
 
 
+def test_sass_counts_of_every_quantize_launch():
+    out = run("sass_count.py")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    counts = {}  # variant -> instructions, conversions, int multiplies, shuffles, shared memory
+    for line in out.stdout.splitlines():
+        fields = line[22:].split()
+        if len(fields) == 5 and all(f.isdigit() for f in fields):
+            counts[line[:22].strip()] = [int(f) for f in fields]
+    expected = ["e4m3 phase 1", "e4m3 phase 2, RNE", "e4m3 phase 2, SR", "packed, RNE", "packed, SR",
+                "x: phase 1 (+packed)", "x: phase 1, col norms", "x: phase 2", "g: phase 1", "g: phase 1, row norms",
+                "g: phase 2"]
+    assert list(counts) == expected, out.stdout
+    for name, (total, *classes) in counts.items():
+        assert total > 100 and all(0 <= c < total for c in classes), (name, total, classes)
+    # SR draws random bits: more integer multiplies than round-to-nearest, in the same kernel
+    assert counts["e4m3 phase 2, SR"][2] > counts["e4m3 phase 2, RNE"][2]
+
+
 def test_refuses_to_run_interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-m", "adahop.kernels.offline"], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "TRITON_INTERPRET" in out.stderr
+    for script in ("offline_compile.py", "sass_count.py"):
+        out = run(script, interpret=True, timeout=120)
+        assert out.returncode == 2 and "TRITON_INTERPRET" in out.stderr, (script, out.stderr[-2000:])
