@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 import torch._dynamo
-from test_trainer import SEQ, VOCAB, CountingBatches, config
 
 import adahop
 from adahop.train.compile import compile_blocks
 from adahop.train.model import Llama, LlamaConfig
 from adahop.train.trainer import TrainConfig, train
 
+from test_trainer import SEQ, VOCAB, CountingBatches, config
 from tiny_lm import TinyLM
 
 
