@@ -1,0 +1,320 @@
+"""One linear layer, forward + backward, per recipe against BF16 ``nn.Linear`` on a CUDA GPU.
+
+    python benchmarks/bench_linear.py [--sections linear,memory] [--recipes ...] [--shapes all]
+        [--pairs 3] [--grads fresh] [--rep 100] [--no-emulation] [--out FILE]
+
+Sections:
+  linear:  AdaHOPLinear (hopper_fp8 backend) forward + backward per recipe against BF16
+           ``nn.Linear`` at T = 16384 tokens, for each --shapes layer. Each ratio comes from
+           --pairs alternating timings of BF16 and the recipe (ratio of the medians), since
+           BF16's own time drifts by several percent between runs. Also the naive mxfp4 recipe
+           on the reference backend (fake-quant emulation, what FP4 libraries do on Hopper;
+           --no-emulation skips it). Each timed iteration starts with no .grad on x and the
+           weight, as a training step does after ``zero_grad()`` (--grads accumulate: keep and
+           add to them).
+  torchao: torchao float8 rowwise and tensorwise (compiled) at (14336, 4096), with the AdaHOP
+           recipes in the same rows (one BF16 baseline), when torchao imports.
+  profile: where the time of one adahop_lv2 layer goes (CUDA kernels, host enqueue, cProfile),
+           at (14336, 4096) or each --shapes layer given.
+  graph:   forward + backward captured in a CUDA graph and replayed, AdaHOP and BF16, against
+           eager: what removing the host's share would give. A timing probe only: the SR keys
+           are Python ints baked into the capture, so every replay repeats one call's draws.
+  memory:  bytes autograd saves for the backward per recipe against BF16, at (14336, 4096).
+
+The adaptive recipes run with the modes a calibrated layer typically gets (activations
+col-wise, gradients row-wise: fprop IHT, dgrad IHT+OE-left, wgrad IHT+OE-right). Operands are
+random bf16 with channel outliers. Times are ``triton.testing.do_bench`` medians (ms). Rows go
+to --out (JSONL, default runs/bench/bench_linear.jsonl), each with the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import common
+import torch
+from common import (
+    LLAMA_SHAPES,
+    Results,
+    T,
+    activation,
+    bench,
+    default_out,
+    environment,
+    paired_speedup,
+    parse_sections,
+    parse_shapes,
+    print_environment,
+    require_cuda,
+    run_sections,
+)
+
+import adahop
+
+SECTIONS = ("linear", "torchao", "profile", "graph", "memory")
+DEFAULT_SECTIONS = ("linear", "memory")
+DEFAULT_RECIPES = ("mxfp4", "mxfp4_iht", "tseng", "adahop_lv2", "adahop_lv1")
+BACKEND = "hopper_fp8"
+SINGLE_SHAPE = (14336, 4096)  # the layer of torchao, profile and memory
+ADAHOP_MODES = {  # a typical calibrated layer (activations col-wise, gradients row-wise)
+    "adahop_lv2": {"fprop": "iht", "dgrad": "iht+oe_left", "wgrad": "iht+oe_right"},
+    "adahop_lv1": {"fprop": "iht", "dgrad": "iht+oe_left", "wgrad": "iht+oe_right"},
+}
+# What happens to the leaves' .grad between iterations of a timed forward + backward:
+# "fresh" (the default) drops x.grad and the weight's .grad first, as a training step does after
+# ``optimizer.zero_grad()`` (set_to_none): the backward then writes the gradients, and x's
+# gradient would flow on to the layer below. "accumulate" keeps them, so every iteration also
+# pays autograd's adds into them. At (14336, 4096) on the H200 that is 0.32 ms of adahop_lv2's
+# time and 0.18 ms of BF16's, whose bf16 weight gradient autograd casts to float32 either way.
+GRADS = "fresh"
+
+
+def make_layer(recipe, N, K, backend):
+    """BF16 ``nn.Linear`` ("bf16_nn") or an AdaHOPLinear of ``recipe`` on ``backend``, no bias."""
+    lin = torch.nn.Linear(K, N, bias=False, device=common.DEVICE)
+    if recipe == "bf16_nn":
+        return lin
+    cfg = adahop.AdaHOPConfig.from_recipe_name(recipe, backend=backend)
+    layer = adahop.AdaHOPLinear.from_float(lin, config=cfg, name="bench")
+    if layer.calibrating:
+        layer.set_modes(ADAHOP_MODES[recipe])
+    return layer
+
+
+def fwd_bwd_fn(layer, x, g):
+    """One forward under BF16 autocast and one backward with ``g``, as a function to time."""
+    params = list(layer.parameters())
+    fresh = GRADS == "fresh"
+
+    def run():
+        if fresh:
+            x.grad = None
+            for p in params:
+                p.grad = None
+        with torch.autocast(common.DEVICE, dtype=torch.bfloat16):
+            y = layer(x)
+        y.backward(g)
+    return run
+
+
+def linear_inputs(N, K):
+    """The input and output gradient of a layer of shape (N, K) at T tokens."""
+    return activation((T, K)).requires_grad_(), activation((T, N), seed=5)
+
+
+# ---- linear / torchao: paired against BF16 ------------------------------------------------------------
+def section_linear(recipes, shapes, with_reference, with_torchao, pairs=3, rep=100) -> list[dict]:
+    rows = []
+    for N, K in shapes:
+        x, g = linear_inputs(N, K)
+        base_fn = fwd_bwd_fn(make_layer("bf16_nn", N, K, None), x, g)
+        row = {"shape": (N, K), "grads": GRADS, "pairs": pairs, "rep_ms": rep, "speedup_vs_bf16": {}, "times_ms": {}}
+
+        def timed(name, layer, rep=rep):
+            ratio, t_base, t = paired_speedup(base_fn, fwd_bwd_fn(layer, x, g), pairs, rep=rep)  # noqa: B023
+            row["speedup_vs_bf16"][name] = ratio  # noqa: B023
+            row["times_ms"][name] = {"bf16": t_base, name: t}  # noqa: B023
+
+        for recipe in recipes:
+            timed(recipe, make_layer(recipe, N, K, BACKEND))
+        if with_reference:
+            timed("mxfp4_reference_emulation", make_layer("mxfp4", N, K, "reference"), rep=rep * 3 // 5)
+        if with_torchao:
+            try:
+                from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+                for rname in ("rowwise", "tensorwise"):
+                    m = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False, device=common.DEVICE))
+                    convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(rname))
+                    timed(f"torchao_{rname}", torch.compile(m))
+            except Exception as e:  # only torchao's absence or refusal is recorded, not raised
+                row["torchao"] = f"unavailable: {type(e).__name__}: {e}"[:200]
+        # BF16's time: the median of every BF16 timing of this shape
+        row["bf16_ms"] = statistics.median(t for d in row["times_ms"].values() for t in d["bf16"])
+        rows.append(row)
+        print("  linear", {k: v for k, v in row.items() if k != "times_ms"}, flush=True)
+    return rows
+
+
+# ---- profile: where the time of one AdaHOP linear goes ---------------------------------------------------
+def section_profile(shape, recipe="adahop_lv2") -> list[dict]:
+    import cProfile
+    import io
+    import pstats
+
+    N, K = shape
+    layer = make_layer(recipe, N, K, BACKEND)
+    x = activation((T, K)).requires_grad_()
+    g = activation((T, N), seed=5)
+    run = fwd_bwd_fn(layer, x, g)
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            run()
+        torch.cuda.synchronize()
+    table = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            table.append((ev.key[:90], t / 5 / 1000.0, ev.count // 5))
+    table.sort(key=lambda r: -r[1])
+    # Host side: the time to enqueue one iteration (no sync) vs the time per iteration overall.
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        run()
+    t_enqueue = (time.perf_counter() - t0) / 20
+    torch.cuda.synchronize()
+    t_total = (time.perf_counter() - t0) / 20
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(5):
+        run()
+    torch.cuda.synchronize()
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(15)
+    pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(30)
+    print(f"  host: enqueue {t_enqueue * 1e3:.2f} ms/iter, total {t_total * 1e3:.2f} ms/iter", flush=True)
+    print(buf.getvalue()[-9000:], flush=True)
+    for name, ms, n in table[:25]:
+        print(f"  prof {ms:7.3f} ms  x{n:<3d} {name}", flush=True)
+    return [dict(recipe=recipe, shape=shape, per_iteration_ms=[list(r) for r in table[:25]],
+                 host_enqueue_ms=t_enqueue * 1e3, host_total_ms=t_total * 1e3, cprofile=buf.getvalue()[-9000:])]
+
+
+# ---- graph: CUDA-graph replay against eager -------------------------------------------------------------
+def section_graph(recipes, shapes, rep=100) -> list[dict]:
+    rows = []
+    for N, K in shapes:
+        x, g = linear_inputs(N, K)
+        base = bench(fwd_bwd_fn(make_layer("bf16_nn", N, K, None), x, g), rep=rep)
+        row = {"shape": (N, K), "grads": GRADS, "bf16_eager_ms": base}
+        for recipe in ["bf16_nn", *recipes]:
+            run = fwd_bwd_fn(make_layer(recipe, N, K, BACKEND), x, g)
+            if recipe != "bf16_nn":
+                row[f"{recipe}_eager_ms"] = bench(run, rep=rep)
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
+                    for _ in range(3):
+                        run()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run()
+                row[f"{recipe}_graph_ms"] = bench(graph.replay, rep=rep)
+                del graph
+            except Exception as e:
+                row[f"{recipe}_graph_ms"] = f"{type(e).__name__}: {e}"[:300]
+        for recipe in recipes:
+            for mode in ("eager", "graph"):
+                t = row.get(f"{recipe}_{mode}_ms")
+                if isinstance(t, float):
+                    row[f"{recipe}_{mode}_vs_bf16_eager"] = base / t
+        rows.append(row)
+        print("  graph", row, flush=True)
+    return rows
+
+
+# ---- memory: what autograd saves for the backward ---------------------------------------------------------
+def section_memory(recipes) -> list[dict]:
+    N, K = SINGLE_SHAPE
+    x = activation((T, K)).requires_grad_()
+    saved = {}
+    for recipe in ["bf16_nn", *recipes]:
+        layer = make_layer(recipe, N, K, BACKEND)
+        params = {p.data_ptr() for p in layer.parameters()}
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            # x counts: a real network would free it otherwise
+            if t.data_ptr() not in params:  # noqa: B023
+                total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast(common.DEVICE, dtype=torch.bfloat16):
+                layer(x)
+        saved[recipe] = total
+    base = saved["bf16_nn"]
+    return [dict(shape=(N, K), recipe=recipe, saved_bytes=v, ratio_vs_bf16=base / v if v else None)
+            for recipe, v in saved.items()]
+
+
+def run_section(name: str, args) -> list[dict]:
+    if name == "linear":
+        return section_linear(args.recipes, args.shapes, with_reference=not args.no_emulation, with_torchao=False,
+                              pairs=args.pairs, rep=args.rep)
+    if name == "torchao":  # the AdaHOP recipes again in the same rows: one BF16 baseline for all
+        return section_linear(args.recipes, [SINGLE_SHAPE], with_reference=False, with_torchao=True,
+                              pairs=args.pairs, rep=args.rep)
+    if name == "profile":
+        return [row for shape in ([SINGLE_SHAPE] if args.shapes_given == "all" else args.shapes)
+                for row in section_profile(shape)]
+    if name == "graph":
+        return section_graph(args.recipes, args.shapes, rep=args.rep)
+    if name == "memory":
+        return section_memory(list(adahop.RECIPES))
+    raise ValueError(f"unknown section {name!r}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                   help=f"comma-separated sections to run, in order, of {','.join(SECTIONS)} "
+                        "(default: %(default)s)")
+    p.add_argument("--recipes", default=",".join(DEFAULT_RECIPES),
+                   help="comma-separated AdaHOP recipes for linear, torchao and graph (default: %(default)s)")
+    p.add_argument("--shapes", default="all",
+                   help="layers (N,K) for linear and graph (and profile, when given): 'all' (Llama-3-8B's four: "
+                        f"{'/'.join(f'{n},{k}' for n, k in LLAMA_SHAPES)}) or N,K pairs joined by '/'")
+    p.add_argument("--pairs", type=int, default=3,
+                   help="alternating BF16 / recipe timings per ratio in linear and torchao (default: %(default)s)")
+    p.add_argument("--grads", choices=("fresh", "accumulate"), default="fresh",
+                   help="x.grad and the weight's .grad dropped before each timed backward (fresh, as after "
+                        "zero_grad) or kept and added to (accumulate) (default: %(default)s)")
+    p.add_argument("--rep", type=int, default=100,
+                   help="do_bench's time budget per timing, ms, in linear, torchao and graph (the reference "
+                        "emulation gets 3/5 of it) (default: %(default)s)")
+    p.add_argument("--no-emulation", action="store_true", help="skip the reference-backend timing in linear")
+    p.add_argument("--out", default=str(default_out("bench_linear")),
+                   help="JSONL file the rows are appended to (default: %(default)s)")
+    args = p.parse_args(argv)
+    args.shapes_given = args.shapes
+    args.recipes = [r for r in args.recipes.split(",") if r]
+    unknown = [r for r in args.recipes if r not in adahop.RECIPES or r == "bf16"]
+    if unknown or not args.recipes:
+        p.error(f"--recipes takes AdaHOP recipes of {','.join(r for r in adahop.RECIPES if r != 'bf16')}, "
+                f"got {unknown or args.recipes}")
+    if args.pairs < 1 or args.rep < 1:
+        p.error("--pairs and --rep must be >= 1")
+    try:
+        args.sections = parse_sections(args.sections, SECTIONS)
+        args.shapes = parse_shapes(args.shapes)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def main(argv=None) -> int:
+    global GRADS
+    args = parse_args(argv)
+    require_cuda("bench_linear.py")
+    GRADS = args.grads
+    env = environment("bench_linear.py", argv)
+    print_environment(env)
+    return run_sections(args.sections, lambda name: run_section(name, args), Results(args.out, "bench_linear", env))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
