@@ -1,0 +1,306 @@
+"""Training speed per recipe: steady tokens/s, ms/step, time to the first step, peak memory and
+the first losses, with BF16 measured before and after the other recipes in the same call.
+
+    python benchmarks/bench_train_speed.py --corpus runs/corpus --preset h200_125m --model-size 1b \\
+        --recipes adahop_lv2 --compile --steps 30 60 --calibration-steps 10
+
+Each recipe trains through ``adahop.train.trainer.train`` (the same model, data, optimizer and
+compile as ``adahop train``) in its own process, so that its peak memory and compile state are
+its own. The sequence is bf16, the --recipes, bf16: BF16's own speed drifts by a few percent
+over a call, so each ratio is given against both BF16 runs. Per run:
+
+- steady tokens/s and ms/step over the steps after P0 up to P1 (``--steps P0 P1``; the device
+  synchronised at both edges, from the trainer's ``on_step`` hook), which must lie after the
+  calibration (BF16 steps of the adaptive recipes) and the compilation of the MXFP4 steps;
+- the time from the call of ``train`` to the end of the first step (model to the device,
+  compilation of the first step);
+- peak device memory (``torch.cuda.max_memory_allocated``) at P1;
+- the training loss of every step;
+- with ``--profile-steps N``: device time per step over N steps after P1 (CUDA kernels from
+  ``torch.profiler``; on the CPU, self CPU time per op), and the top kernels.
+
+The run stops after P1 (+ N) steps (``stop_after``), whatever the preset's length (the learning
+rate schedule is the preset's). The trainer writes its log and a final checkpoint into a
+temporary folder (or --run-dir), removed after each run. Rows go to --out (JSONL, default
+runs/bench/bench_train_speed.jsonl), one per run with the environment; a Markdown table is
+printed last. On the CPU: ``--preset debug --model-size tiny --no-compile`` with a small corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+from common import default_out, environment, print_environment
+
+import adahop
+
+DEFAULT_RECIPES = ("adahop_lv2",)
+
+
+# ---- one run (in its own process) ---------------------------------------------------------------------------
+def run_config(args, recipe: str, run_dir):
+    """The TrainConfig of one run: the preset with this call's overrides, long enough to reach
+    P1 (+ profile) (the learning-rate schedule is the preset's, or over that many steps if the
+    preset is shorter). Raises ValueError for a request this machine cannot run."""
+    from adahop.train.recipes import preset
+
+    cfg = preset(args.preset, recipe=recipe, model_size=args.model_size, calibration_steps=args.calibration_steps,
+                 batch_size=args.batch_size, seq_len=args.seq_len, device=args.device,
+                 out_dir=str(run_dir), corpus_dir=args.corpus, progress=False, compile=args.compile,
+                 eval_every=0, ckpt_every=0)
+    cfg = dataclasses.replace(cfg, steps=max(cfg.steps, args.steps[1] + args.profile_steps))
+    cfg.validate()  # a device this machine lacks, a backend it cannot run: one line
+    return cfg
+
+
+def measure(args, recipe: str) -> dict:
+    """Train ``recipe`` for P1 (+ profile) steps and measure it (see the module docstring)."""
+    from adahop.ops.backends import get_backend
+    from adahop.train.data import load_corpus
+    from adahop.train.run import open_run
+    from adahop.train.trainer import resolve_device, train
+
+    p0, p1 = args.steps
+    n_prof = args.profile_steps
+    run_dir = Path(tempfile.mkdtemp(prefix=f"speed_{recipe}_", dir=args.run_dir))
+    try:
+        cfg = run_config(args, recipe, run_dir)
+        device = resolve_device(cfg.device)
+        corpus = load_corpus(cfg.corpus_dir)
+        model, batches = open_run(cfg, corpus)
+        cuda = device.type == "cuda"
+
+        def sync():
+            if cuda:
+                torch.cuda.synchronize(device)
+
+        state: dict = {}
+
+        def on_step(step, _model):
+            if step == 1:
+                sync()
+                state["first_step_s"] = time.perf_counter() - state["t_start"]
+            if step == p0:
+                sync()
+                state["t0"] = time.perf_counter()
+            if step == p1:
+                sync()
+                state["window_s"] = time.perf_counter() - state["t0"]
+                state["peak_bytes"] = torch.cuda.max_memory_allocated(device) if cuda else None
+                if n_prof:
+                    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+                    state["prof"] = torch.profiler.profile(activities=[activity])
+                    state["prof"].start()
+            if n_prof and step == p1 + n_prof:
+                sync()
+                state["prof"].stop()
+                state.update(profile_summary(state.pop("prof"), n_prof, cuda))
+
+        state["t_start"] = time.perf_counter()
+        summary = train(cfg, model=model, train_batches=batches, resume=False, stop_after=p1 + n_prof, on_step=on_step)
+        if "window_s" not in state:
+            raise RuntimeError(f"the run stopped at step {summary['steps']}, before P1 = {p1}")
+        tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
+        s_per_step = state["window_s"] / (p1 - p0)
+        row = {
+            "recipe": recipe, "preset": args.preset, "model_size": cfg.model_size, "compile": cfg.compile,
+            "device": str(device),  # where the MXFP4 GEMMs ran (bf16 runs none)
+            "backend": None if recipe == "bf16" else get_backend(cfg.adahop.backend, device).name,
+            "batch_size": cfg.batch_size,
+            "seq_len": cfg.seq_len, "grad_accum": cfg.grad_accum, "tokens_per_step": tokens_per_step,
+            "calibration_steps": cfg.adahop.calibration_steps if cfg.adahop.adaptive else 0,
+            "window": [p0, p1], "steady_tokens_per_s": tokens_per_step / s_per_step,
+            "ms_per_step": 1e3 * s_per_step, "first_step_s": state["first_step_s"],
+            "peak_memory_bytes": state["peak_bytes"], "losses": summary["losses"],
+        }
+        if n_prof:
+            row.update(profile_steps=n_prof, **{k: state[k] for k in ("profiled", "device_ms_per_step", "top")})
+        return row
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def profile_summary(prof, steps: int, cuda: bool) -> dict:
+    """Device time per step and the 30 largest entries. On CUDA (only the CUDA activity is
+    recorded) each entry is a kernel or a copy, so they add up to the device's busy time; on
+    the CPU each op's self time."""
+    if cuda:
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        time_of = lambda e: e.device_time_total  # noqa: E731
+    else:
+        events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+        time_of = lambda e: e.self_cpu_time_total  # noqa: E731
+    events.sort(key=lambda e: -time_of(e))
+    return {
+        "profiled": "cuda kernels" if cuda else "cpu op self time",
+        "device_ms_per_step": sum(time_of(e) for e in events) / 1e3 / steps,
+        "top": [[e.key[:80], round(time_of(e) / 1e3 / steps, 3), e.count // steps] for e in events[:30]],
+    }
+
+
+# ---- the sequence of runs ----------------------------------------------------------------------------------
+def sequence(recipes: list[str]) -> list[str]:
+    """bf16, the other recipes in order, bf16."""
+    return ["bf16", *[r for r in recipes if r != "bf16"], "bf16"]
+
+
+def run_worker(argv: list[str], recipe: str, timeout: float | None) -> dict:
+    """``measure(recipe)`` in a fresh process of this script; its row, or an ``error`` row."""
+    with tempfile.TemporaryDirectory() as tmp:
+        row_file = Path(tmp) / "row.json"
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", recipe, "--row-file", str(row_file)]
+        t0 = time.perf_counter()
+        try:
+            rc = subprocess.run(cmd, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            return {"recipe": recipe, "error": f"timed out after {timeout:g} s", "wall_s": time.perf_counter() - t0}
+        wall = time.perf_counter() - t0
+        if rc != 0 or not row_file.exists():
+            return {"recipe": recipe, "error": f"worker exited with status {rc}", "wall_s": wall}
+        return {**json.loads(row_file.read_text()), "wall_s": wall}
+
+
+def ratio(a, b):
+    return a / b if a and b else None
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one line per run, ratios against the first and the last bf16 run."""
+    ok = [r for r in rows if "error" not in r]
+    bf16 = [r for r in ok if r["recipe"] == "bf16"]
+    first = bf16[0]["steady_tokens_per_s"] if bf16 else None
+    last = bf16[-1]["steady_tokens_per_s"] if len(bf16) > 1 else None
+    lines = ["| run | recipe | tokens/s | vs bf16 (first) | vs bf16 (last) | ms/step | first step | peak memory "
+             "| device ms/step | loss at P1 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    for i, r in enumerate(rows, 1):
+        if "error" in r:
+            lines.append(f"| {i} | {r['recipe']} | {r['error']} |" + " |" * 7)
+            continue
+        tps = r["steady_tokens_per_s"]
+        mem = r["peak_memory_bytes"]
+        p1 = r["window"][1]
+        loss = r["losses"][p1 - 1] if len(r["losses"]) >= p1 else None
+        lines.append(
+            f"| {i} | {r['recipe']} | {tps:.0f} | {fmt(ratio(tps, first), '.3f')} | {fmt(ratio(tps, last), '.3f')} "
+            f"| {r['ms_per_step']:.1f} | {r['first_step_s']:.1f} s "
+            f"| {'-' if mem is None else f'{mem / 2**30:.2f} GiB'} "
+            f"| {fmt(r.get('device_ms_per_step'), '.1f')} | {fmt(loss, '.4f')} |")
+    if first and last:
+        lines.append(f"\nbf16 drift over the call: last / first = {last / first:.3f}")
+    return "\n".join(lines)
+
+
+# ---- command line ---------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    from adahop.train.model import SIZES
+    from adahop.train.recipes import PRESETS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    g = p.add_argument_group("what")
+    g.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES), choices=list(adahop.RECIPES),
+                   help="recipes timed between the two bf16 runs (default: %(default)s)")
+    g.add_argument("--preset", default="h200_125m", choices=list(PRESETS),
+                   help="training preset: batch, sequence length, optimizer, device (default: %(default)s)")
+    g.add_argument("--model-size", default=None, choices=list(SIZES), help="model size (default: the preset's)")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="torch.compile each transformer block, as adahop train --compile (default: on)")
+    g.add_argument("--corpus", default="runs/corpus", help="corpus folder made by adahop data (default: %(default)s)")
+    g.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the preset's)")
+    g.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
+    g.add_argument("--device", default=None, help="torch device (default: the preset's)")
+    g = p.add_argument_group("measurement")
+    g.add_argument("--steps", nargs=2, type=int, default=[30, 60], metavar=("P0", "P1"),
+                   help="the timed window: steps after P0 up to P1 (default: 30 60)")
+    g.add_argument("--calibration-steps", type=int, default=10,
+                   help="BF16 calibration steps of the adaptive recipes, before P0 (default: %(default)s)")
+    g.add_argument("--profile-steps", type=int, default=0,
+                   help="profile this many steps after P1 (device time per step, top kernels; default: 0, none)")
+    g.add_argument("--timeout", type=float, default=None,
+                   help="seconds each run may take before it is stopped and recorded as an error (default: none)")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default=str(default_out("bench_train_speed")),
+                   help="JSONL file the rows are appended to, one per run (default: %(default)s)")
+    g.add_argument("--run-dir", default=None,
+                   help="folder for each run's trainer output (log, final checkpoint), removed after the run "
+                        "(default: the system's temporary folder)")
+    g = p.add_argument_group("internal")
+    g.add_argument("--worker", default=None, metavar="RECIPE",
+                   help="measure RECIPE in this process and write its row to --row-file (what each run's process "
+                        "is started with)")
+    g.add_argument("--row-file", default=None, help="where --worker writes its row (JSON)")
+    args = p.parse_args(argv)
+    p0, p1 = args.steps
+    if not 1 <= p0 < p1:
+        p.error(f"--steps P0 P1 needs 1 <= P0 < P1, got {p0} {p1}")
+    if args.calibration_steps < 1 or args.profile_steps < 0:
+        p.error("--calibration-steps must be >= 1 and --profile-steps >= 0")
+    if args.calibration_steps >= p0:
+        p.error(f"the timed window must start after the calibration: --calibration-steps {args.calibration_steps} "
+                f">= P0 = {p0}")
+    if args.worker is not None and args.row_file is None:
+        p.error("--worker needs --row-file")
+    return args
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.worker is not None:
+        try:
+            row = measure(args, args.worker)
+        except ValueError as e:  # a bad request (device, corpus): one line
+            print(f"bench_train_speed.py: {e}", file=sys.stderr)
+            return 2
+        Path(args.row_file).write_text(json.dumps(row))
+        for name, ms, count in row.get("top", [])[:12]:
+            print(f"    {ms:8.3f} ms x{count:<4d} {name}")
+        return 0
+    env = environment("bench_train_speed.py", argv)
+    print_environment(env)
+    try:  # refuse a request that cannot run here before starting any run
+        from adahop.train.data import load_corpus
+
+        if args.run_dir:
+            Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+        run_config(args, "bf16", args.run_dir or tempfile.gettempdir())
+        load_corpus(args.corpus, verify=False)
+    except (ValueError, OSError) as e:
+        print(f"bench_train_speed.py: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    call = uuid.uuid4().hex[:12]  # the runs of one call share it (their ratios belong together)
+    rows = []
+    for i, recipe in enumerate(sequence(args.recipes), 1):
+        print(f"[{i}] {recipe} ...", flush=True)
+        row = {**run_worker(argv, recipe, args.timeout), "call": call, "run": i}
+        rows.append(row)
+        with out.open("a") as f:
+            f.write(json.dumps({"benchmark": "bench_train_speed", **row, "env": env}) + "\n")
+        if "error" in row:
+            print(f"[{i}] {recipe}: {row['error']}", flush=True)
+        else:
+            print(f"[{i}] {recipe}: {row['steady_tokens_per_s']:.0f} tokens/s, {row['ms_per_step']:.1f} ms/step, "
+                  f"first step {row['first_step_s']:.1f} s, wall {row['wall_s']:.0f} s", flush=True)
+    print(f"\nrows appended to {out} (call {call})\n")
+    print(table(rows))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
