@@ -23,6 +23,7 @@ from pathlib import Path
 
 import adahop
 from adahop.policy import GEMMS, table_policy
+from adahop.train.recipes import PRESETS
 
 
 def _lv2_forcing(**forced):
@@ -74,20 +75,27 @@ BF16_TAIL = {"lv2_bf16_tail": 0.1, "lv2_bf16_tail25": 0.25}
 VARIANTS.update({name: VARIANTS["lv2"] for name in BF16_TAIL})  # lv2 until the tail
 
 
+def variant_config(name: str, base: adahop.AdaHOPConfig, seed: int) -> adahop.AdaHOPConfig:
+    """Variant ``name`` with the preset's calibration length, backend and OE k per GEMM (they
+    scale with the model), and the SR seed ``seed``."""
+    q = VARIANTS[name]().replace(calibration_steps=base.calibration_steps, backend=base.backend, seed=seed)
+    return q.replace(**{g: dataclasses.replace(q.gemm(g), oe_k=base.gemm(g).oe_k) for g in GEMMS})
+
+
 def run_one(args, name: str, seed: int) -> None:
-    from adahop.cli import heldout_eval, open_run
     from adahop.train.data import load_corpus
     from adahop.train.recipes import preset
+    from adahop.train.run import heldout_eval, open_run
     from adahop.train.trainer import train
 
     out = Path(args.out) / f"{name}-s{seed}"
-    recipe = "bf16" if name == "bf16" else ("mxfp4" if name == "mxfp4" else "adahop_lv2")
-    cfg = preset(args.preset, recipe=recipe, seed=seed, out_dir=str(out), corpus_dir=args.corpus,
-                 steps=args.steps, lr=args.lr, progress=False, compile=args.compile)
+    overrides = dict(seed=seed, out_dir=str(out), corpus_dir=args.corpus, steps=args.steps, lr=args.lr,
+                     progress=False, compile=args.compile)
+    base = preset(args.preset, **overrides).adahop
+    # train() converts the model with cfg.adahop: the variant's numerics, set as a whole
+    cfg = preset(args.preset, adahop=variant_config(name, base, seed), **overrides)
     corpus = load_corpus(cfg.corpus_dir)
     model, batches = open_run(cfg, corpus)
-    qcfg = VARIANTS[name]().replace(calibration_steps=cfg.calibration_steps, backend=cfg.backend, seed=seed)
-    adahop.convert_to_adahop_training(model, config=qcfg.with_gemm_settings(oe_k=cfg.oe_k))
 
     def eval_fn(m):
         return heldout_eval(m, corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size, max_batches=cfg.eval_batches)
@@ -110,7 +118,8 @@ def run_one(args, name: str, seed: int) -> None:
         layer.set_modes({gemm: "bf16" for gemm in GEMMS})
     result["heldout_loss_bf16_eval"] = eval_fn(model)["loss"]
     (out / "ablation.json").write_text(json.dumps(result, indent=1))
-    print(f"[{name} seed {seed}] held-out {result['heldout_loss']:.4f}, BF16 evaluation {result['heldout_loss_bf16_eval']:.4f}", flush=True)
+    print(f"[{name} seed {seed}] held-out {result['heldout_loss']:.4f}, "
+          f"BF16 evaluation {result['heldout_loss_bf16_eval']:.4f}", flush=True)
 
 
 def report(out: Path) -> str:
@@ -136,8 +145,10 @@ def report(out: Path) -> str:
     # The runs that also evaluated their weights with BF16 GEMMs (older runs did not).
     bf16_eval = {(r["variant"], r["seed"]): r["heldout_loss_bf16_eval"] for r in runs if "heldout_loss_bf16_eval" in r}
     if bf16_eval:
-        lines = ["", "Held-out loss with every GEMM in BF16 at evaluation (the same trained weights), gap to the bf16 run:", "",
-                 "| variant | seeds | gap, MXFP4 evaluation (mean) | gap, BF16 evaluation (mean) | BF16-evaluation gap per seed |",
+        lines = ["", "Held-out loss with every GEMM in BF16 at evaluation (the same trained weights), gap to the "
+                 "bf16 run:", "",
+                 "| variant | seeds | gap, MXFP4 evaluation (mean) | gap, BF16 evaluation (mean) "
+                 "| BF16-evaluation gap per seed |",
                  "|---|---|---|---|---|"]
         for name in VARIANTS:
             seeds = sorted(seed for (v, seed) in bf16_eval if v == name and seed in base)
@@ -146,7 +157,8 @@ def report(out: Path) -> str:
             gaps = [bf16_eval[name, s] - base[s] for s in seeds]
             mx = [loss[name, s] - base[s] for s in seeds]
             per_seed = ", ".join(f"s{s}: {g:+.4f}" for s, g in zip(seeds, gaps))
-            lines.append(f"| {name} | {len(seeds)} | {statistics.mean(mx):+.4f} | {statistics.mean(gaps):+.4f} | {per_seed} |")
+            lines.append(f"| {name} | {len(seeds)} | {statistics.mean(mx):+.4f} | {statistics.mean(gaps):+.4f} "
+                         f"| {per_seed} |")
         table += "\n".join(lines) + "\n"
     (out / "ablation.md").write_text(table)
     return table
@@ -154,14 +166,19 @@ def report(out: Path) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--corpus", default="runs/corpus")
-    p.add_argument("--out", default="runs/ablation")
-    p.add_argument("--preset", default="cpu")
-    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--corpus", default="runs/corpus", help="corpus folder made by adahop data (default: %(default)s)")
+    p.add_argument("--out", default="runs/ablation",
+                   help="folder of the runs (<variant>-s<seed>, resumable) and ablation.md (default: %(default)s)")
+    p.add_argument("--preset", default="cpu", choices=list(PRESETS),
+                   help="training preset; a GPU one (h200, h200_125m) on a GPU machine (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: the preset's)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--seeds", nargs="+", type=int, default=[0])
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                   help="variants to train (default: all)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0],
+                   help="seeds (initialisation, data order and SR draws); gaps are paired by seed (default: 0)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads, 0 for torch's default (default: 1, fastest for the small CPU runs)")
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (train/compile.py)")
     p.add_argument("--report", action="store_true", help="only write the table of the finished runs")
     args = p.parse_args(argv)

@@ -12,11 +12,11 @@ the same on both. Past them, a difference cannot stay at rounding size for the w
 So the report gives the loss difference per window of steps. The yardstick is the gap between
 recipes (MXFP4 against BF16: hundredths of a nat here), which it must stay well below.
 
-    python benchmarks/backend_agreement.py --corpus .carry/corpus --out $OUT/agree \\
+    python benchmarks/backend_agreement.py --corpus runs/corpus --out runs/agree \\
         --preset h200 --steps 300 --recipe adahop_lv2 --backends reference hopper_fp8
 
 (``--report-only`` compares runs already made, e.g. by ``adahop train --backend B --out
-OUT/B`` side by side on one GPU; a run cut short is compared over the steps it logged.)
+runs/agree/B`` side by side on one GPU; a run cut short is compared over the steps it logged.)
 
 Writes ``agreement.md`` and ``agreement.json`` (the table and every step's losses) and
 ``loss_curves.png`` (the curves, and each backend's loss minus the first's), and one run folder
@@ -33,8 +33,10 @@ from pathlib import Path
 
 import adahop
 from adahop import cli
-from adahop.ops.backends import BACKEND_NAMES
-from adahop.train.trainer import read_log
+from adahop.config import BACKEND_CHOICES
+from adahop.train.recipes import PRESETS
+from adahop.train.run_log import read_log
+from adahop.train.trainer import TrainConfig
 
 
 def windows(first: int, last: int, parts: int) -> list[tuple[int, int]]:
@@ -73,16 +75,18 @@ def compare(losses: dict[str, dict[int, float]], calibration_steps: int, parts: 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--corpus", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--preset", default="h200")
-    p.add_argument("--recipe", default="adahop_lv2", choices=[r for r in adahop.RECIPES if r != "bf16"])
-    p.add_argument("--backends", nargs="+", default=["reference", "auto"], choices=("auto", *BACKEND_NAMES))
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--calibration-steps", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--corpus", required=True, help="corpus folder made by adahop data")
+    p.add_argument("--out", required=True, help="folder of the run folders (one per backend) and the report")
+    p.add_argument("--preset", default="h200", choices=list(PRESETS), help="training preset (default: %(default)s)")
+    p.add_argument("--recipe", default="adahop_lv2", choices=[r for r in adahop.RECIPES if r != "bf16"],
+                   help="the recipe trained on every backend (default: %(default)s)")
+    p.add_argument("--backends", nargs="+", default=["reference", "auto"], choices=BACKEND_CHOICES,
+                   help="backends to train on; every difference is to the first (default: reference auto)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: the preset's)")
+    p.add_argument("--seed", type=int, default=None, help="seed of every run (default: the preset's)")
+    p.add_argument("--calibration-steps", type=int, default=None, help="BF16 calibration steps (default: the preset's)")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the preset's)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
     p.add_argument("--device", default=None, help="default: the preset's (a GPU when there is one)")
     p.add_argument("--windows", type=int, default=5, help="windows of steps after calibration in the table")
     p.add_argument("--report-only", action="store_true",
@@ -103,35 +107,39 @@ def main(argv=None) -> int:
             continue
         train_argv = ["train", "--preset", args.preset, "--recipe", args.recipe, "--corpus", args.corpus,
                       "--out", str(run), "--backend", backend, "--no-progress", "--threads", "0", "--no-resume"]
-        for flag, value in (("--steps", args.steps), ("--seed", args.seed), ("--calibration-steps", args.calibration_steps),
-                            ("--batch-size", args.batch_size), ("--seq-len", args.seq_len), ("--device", args.device)):
+        for flag, value in (("--steps", args.steps), ("--seed", args.seed),
+                            ("--calibration-steps", args.calibration_steps), ("--batch-size", args.batch_size),
+                            ("--seq-len", args.seq_len), ("--device", args.device)):
             if value is not None:
                 train_argv += [flag, str(value)]
         if cli.main(train_argv) != 0:
             return 2
         runs[backend] = run
 
-    configs = {b: json.loads((r / "config.json").read_text()) for b, r in runs.items()}
-    same = ("recipe", "model_size", "batch_size", "grad_accum", "seq_len", "seed", "lr", "steps", "calibration_steps", "oe_k")
-    differ = [k for k in same if len({json.dumps(c.get(k)) for c in configs.values()}) > 1]
+    configs = {b: TrainConfig.from_dict(json.loads((r / "config.json").read_text())) for b, r in runs.items()}
+    # What must agree: everything the runs train with, but where they run and how they log.
+    ignored = ("out_dir", "device", "compile", "progress", "log_every", "sync_every", "ckpt_every", "keep_checkpoints")
+    described = {b: {**{k: v for k, v in c.to_dict().items() if k not in ignored},
+                     "adahop": {**c.adahop.to_dict(), "backend": None}} for b, c in configs.items()}
+    differ = sorted(k for k in described[args.backends[0]]
+                    if len({json.dumps(d.get(k), sort_keys=True) for d in described.values()}) > 1)
     if differ:
         print(f"the runs differ in {differ}: not comparable", file=sys.stderr)
         return 2
     first = args.backends[0]  # the baseline of every difference
-    recipe = configs[first]["recipe"]
+    recipe = configs[first].recipe
     logs = {b: read_log(r) for b, r in runs.items()}
     losses = {b: {rec["step"]: rec["loss"] for rec in log if "loss" in rec} for b, log in logs.items()}
     heldout = {b: next((rec["final_eval"]["loss"] for rec in reversed(log) if rec.get("final_eval")), math.nan)
                for b, log in logs.items()}
     modes = {b: (r / "modes.json").read_text() if (r / "modes.json").exists() else None for b, r in runs.items()}
-    calibration = configs[first]["calibration_steps"]
-    if not adahop.AdaHOPConfig.from_recipe_name(recipe).adaptive:
-        calibration = 0  # a fixed recipe runs MXFP4 from the first step
+    # a fixed recipe runs MXFP4 from the first step
+    calibration = configs[first].adahop.calibration_steps if configs[first].adahop.adaptive else 0
     rows = compare(losses, calibration, args.windows)
 
     lines = [f"# {recipe} on {', '.join(args.backends)}: training losses compared", "",
-             f"Model `{configs[first]['model_size']}`, {configs[first]['batch_size']} x {configs[first]['seq_len']} "
-             f"tokens per step, {max(losses[first])} steps logged, seed {configs[first]['seed']}, calibration: "
+             f"Model `{configs[first].model_size}`, {configs[first].batch_size} x {configs[first].seq_len} "
+             f"tokens per step, {max(losses[first])} steps logged, seed {configs[first].seed}, calibration: "
              f"{calibration} steps. Same calibrated modes on every backend: "
              f"{'yes' if len(set(modes.values())) == 1 else 'NO (the comparison below is not of the same GEMMs)'}.", "",
              "| backend | held-out loss | difference to " + first + " |", "|---|---|---|"]
@@ -143,12 +151,13 @@ def main(argv=None) -> int:
     for row in rows:
         lo, hi = row["steps"]
         label = f"{lo}-{hi}" + (" (calibration, BF16)" if row["calibration"] else "")
-        cells = [f"{row[b]['mean_abs']:.2e} | {row[b]['max_abs']:.2e} | {row[b]['mean']:+.2e}" for b in args.backends[1:]]
+        cells = [f"{row[b]['mean_abs']:.2e} | {row[b]['max_abs']:.2e} | {row[b]['mean']:+.2e}"
+                 for b in args.backends[1:]]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     report = "\n".join(lines) + "\n"
     (out / "agreement.md").write_text(report)
     (out / "agreement.json").write_text(json.dumps(
-        {"recipe": recipe, "config": configs[first], "backends": args.backends, "heldout": heldout,
+        {"recipe": recipe, "config": configs[first].to_dict(), "backends": args.backends, "heldout": heldout,
          "same_modes": len(set(modes.values())) == 1, "windows": rows,
          "losses": {b: [losses[b][s] for s in sorted(losses[b])] for b in args.backends}}, indent=1))
     from adahop.train.plot import plot_loss_curves

@@ -1,24 +1,31 @@
-"""Check on a CUDA GPU that the reference numerics are the same bits as on the CPU.
+"""Check on a CUDA GPU that the reference numerics are the same bits as on the CPU, then train
+every recipe there.
 
 The reference path is pure PyTorch, so it runs on any GPU; its MXFP4 codes, scale bytes, SR
 decisions and Hadamard outputs must equal the CPU's bit for bit (IEEE float32 adds, multiplies by
 powers of two and comparisons are deterministic; the SR hash is integer arithmetic). GEMM outputs
-may differ by fp32 accumulation order only. Then the demo trains every recipe on the GPU.
+may differ by fp32 accumulation order only. Then every recipe trains the tiny model of the
+``debug`` preset for --train-steps steps on the GPU (``adahop.train.trainer.train``, the backend
+``auto`` picks there), on --corpus or on a small corpus of the Python standard library built in
+a temporary folder (no download).
 
-    python benchmarks/gpu_reference_check.py [--out DIR]
+    python benchmarks/gpu_reference_check.py [--train-steps 80] [--corpus DIR] [--out FILE]
 
-Prints a short table last; writes gpu_reference_check.json under --out (default $OUT or .).
+Prints a summary line last; rows go to --out (JSONL, default runs/bench/gpu_reference_check.jsonl),
+each with the environment. Exit status 1 if a bit-exact check fails or a loss is not finite.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
+import math
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+from common import Results, default_out, environment, print_environment, require_cuda
 
 import adahop
 from adahop.formats.mxfp4 import SCALE_MODES
@@ -33,7 +40,7 @@ def make_input(shape, dtype, seed):
     return x.to(dtype)
 
 
-def check_quantize(results):
+def check_quantize() -> list[dict]:
     rows = []
     for mode in SCALE_MODES:
         for rounding in ("rne", "sr"):
@@ -49,24 +56,23 @@ def check_quantize(results):
                     deq_same = torch.equal(
                         adahop.dequantize_mxfp4(q_cpu), adahop.dequantize_mxfp4(q_gpu).cpu()
                     )
-                    rows.append((mode, rounding, str(dtype).split(".")[-1], dim, same, deq_same))
-    results["quantize"] = rows
-    return all(r[4] and r[5] for r in rows)
+                    rows.append(dict(scale_mode=mode, rounding=rounding, dtype=str(dtype).split(".")[-1], dim=dim,
+                                     codes_and_scales_equal=same, dequantized_equal=deq_same))
+    return rows
 
 
-def check_hadamard(results):
+def check_hadamard() -> list[dict]:
     rows = []
     for size in HADAMARD_SIZES:
         x = make_input((512, 2048), torch.float32, seed=size)
         s = random_signs(2048, 99)
         a = block_hadamard(x, size=size, signs=s)
         b = block_hadamard(x.cuda(), size=size, signs=s.cuda()).cpu()
-        rows.append((size, torch.equal(a, b)))
-    results["hadamard"] = rows
-    return all(r[1] for r in rows)
+        rows.append(dict(size=size, equal=torch.equal(a, b)))
+    return rows
 
 
-def check_linear(results):
+def check_linear() -> list[dict]:
     rows = []
     torch.manual_seed(0)
     x = make_input((1024, 512), torch.float32, seed=7)
@@ -75,7 +81,8 @@ def check_linear(results):
     for recipe in adahop.RECIPES:
         outs = {}
         for device in ("cpu", "cuda"):
-            cfg = adahop.AdaHOPConfig.from_recipe_name(recipe)
+            # the reference backend on both devices ("auto" would pick a kernel backend on the GPU)
+            cfg = adahop.AdaHOPConfig.from_recipe_name(recipe, backend="reference")
             lin = torch.nn.Linear(512, 768, bias=False)
             lin.weight.data.copy_(w)
             layer = adahop.AdaHOPLinear.from_float(lin, config=cfg, name="probe").to(device)
@@ -86,40 +93,84 @@ def check_linear(results):
             y.backward(g.to(device))
             outs[device] = [t.detach().cpu().double() for t in (y, xx.grad, layer.weight.grad)]
         rel = [((a - b).norm() / a.norm()).item() for a, b in zip(outs["cpu"], outs["cuda"])]
-        rows.append((recipe, *rel))
-    results["linear_cpu_vs_cuda_rel_diff"] = rows
-    return all(max(r[1:]) < 1e-4 for r in rows)
+        rows.append(dict(recipe=recipe, rel_y=rel[0], rel_dx=rel[1], rel_dw=rel[2]))
+    return rows
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--demo-steps", type=int, default=80)
-    args = p.parse_args()
-    dev = torch.cuda.get_device_name()
-    print(f"device {dev}, torch {torch.__version__}, python {platform.python_version()}")
-    results = {"device": dev, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
-    ok_q = check_quantize(results)
-    ok_h = check_hadamard(results)
-    ok_l = check_linear(results)
+def train_every_recipe(corpus_dir, *, device: str, steps: int, out_dir, batch_size=16, seq_len=256) -> list[dict]:
+    """Every recipe on the tiny model of the ``debug`` preset (``batch_size`` x ``seq_len``
+    tokens per step, OE k = 8), ``steps`` steps on ``device``: first and last training loss,
+    tokens/s."""
+    from adahop.train.data import load_corpus
+    from adahop.train.recipes import preset
+    from adahop.train.run import open_run
+    from adahop.train.trainer import train
 
-    from adahop import demo
+    corpus = load_corpus(corpus_dir)
+    rows = []
+    for recipe in adahop.RECIPES:
+        cfg = preset("debug", recipe=recipe, device=device, steps=steps, batch_size=batch_size, seq_len=seq_len, oe_k=8,
+                     calibration_steps=max(1, min(10, steps // 2)), corpus_dir=str(corpus_dir),
+                     out_dir=str(Path(out_dir) / recipe), progress=False, ckpt_every=0)
+        model, batches = open_run(cfg, corpus)
+        t0 = time.perf_counter()
+        summary = train(cfg, model=model, train_batches=batches, resume=False)
+        losses = summary["losses"]
+        rows.append(dict(recipe=recipe, steps=len(losses), first_loss=losses[0], last_loss=losses[-1],
+                         finite=all(math.isfinite(v) for v in losses), tokens_per_s=summary["tokens_per_s"],
+                         seconds=time.perf_counter() - t0))
+        print(f"  train {recipe:12s} loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} steps", flush=True)
+    return rows
 
-    t0 = time.perf_counter()
-    demo_rc = demo.main(["--device", "cuda", "--steps", str(args.demo_steps), "--d-model", "128", "--layers", "4", "--batch", "16", "--seq-len", "256", "--oe-k", "8"])
-    results["demo_seconds"] = time.perf_counter() - t0
-    with open(os.path.join(args.out, "gpu_reference_check.json"), "w") as f:
-        json.dump(results, f, indent=1)
 
-    print("\nquantize CPU == CUDA (codes+scales, dequantized):")
-    for r in results["quantize"]:
-        print("  ", r)
-    print("hadamard CPU == CUDA:", results["hadamard"])
+def tiny_corpus(out_dir) -> Path:
+    """A byte-level corpus of three standard-library modules (no download)."""
+    from adahop.train import data, sources
+
+    src = sources.cpython_stdlib_source(modules=("json", "textwrap", "string"), name="stdlib-mini")
+    data.build_corpus(out_dir, sources=[src], tokenizer="byte", progress=False)
+    return Path(out_dir)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("--train-steps", type=int, default=80,
+                   help="training steps per recipe on the GPU, 0 to skip training (default: %(default)s)")
+    p.add_argument("--corpus", default=None,
+                   help="corpus folder for the training part (default: a small standard-library corpus, built in a "
+                        "temporary folder)")
+    p.add_argument("--out", default=str(default_out("gpu_reference_check")),
+                   help="JSONL file the rows are appended to (default: %(default)s)")
+    args = p.parse_args(argv)
+    if args.train_steps < 0:
+        p.error(f"--train-steps must be >= 0, got {args.train_steps}")
+    require_cuda("gpu_reference_check.py")
+    env = environment("gpu_reference_check.py", argv)
+    print_environment(env)
+    results = Results(args.out, "gpu_reference_check", env)
+    quantize, hadamard, linear = check_quantize(), check_hadamard(), check_linear()
+    results.write("quantize", quantize)
+    results.write("hadamard", hadamard)
+    results.write("linear", linear)
+    ok_q = all(r["codes_and_scales_equal"] and r["dequantized_equal"] for r in quantize)
+    ok_h = all(r["equal"] for r in hadamard)
+    ok_l = all(max(r["rel_y"], r["rel_dx"], r["rel_dw"]) < 1e-4 for r in linear)
     print("linear CPU vs CUDA relative diff (y, dx, dw):")
-    for r in results["linear_cpu_vs_cuda_rel_diff"]:
-        print(f"   {r[0]:12s} {r[1]:.2e} {r[2]:.2e} {r[3]:.2e}")
-    print(f"\nSUMMARY quantize_bitexact={ok_q} hadamard_bitexact={ok_h} linear_close={ok_l} demo_rc={demo_rc}")
+    for r in linear:
+        print(f"   {r['recipe']:12s} {r['rel_y']:.2e} {r['rel_dx']:.2e} {r['rel_dw']:.2e}")
+    ok_t = True
+    if args.train_steps:
+        with tempfile.TemporaryDirectory() as tmp:
+            corpus = Path(args.corpus) if args.corpus else tiny_corpus(Path(tmp) / "corpus")
+            trained = train_every_recipe(corpus, device="cuda", steps=args.train_steps, out_dir=Path(tmp) / "runs")
+        results.write("train", trained)
+        ok_t = all(r["finite"] for r in trained)
+    print(f"\nSUMMARY quantize_bitexact={ok_q} hadamard_bitexact={ok_h} linear_close={ok_l} "
+          f"train_finite={ok_t if args.train_steps else 'skipped'}  (rows: {results.path})")
+    return 0 if ok_q and ok_h and ok_l and ok_t else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

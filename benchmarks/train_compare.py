@@ -1,27 +1,26 @@
-"""The recipe comparison of the training issue: same model, data, tokens and seed under every
-recipe; held-out loss and bits per byte, zero-shot tasks, tokens/s and peak memory; a table
-(markdown) and the loss curves (PNG).
+"""The recipe comparison: the same model, data, tokens and seed under every recipe; held-out
+loss and bits per byte, zero-shot tasks, tokens/s and peak memory; a table (Markdown) and the
+loss curves (PNG).
 
-On the GPU machine (no network there): build the corpus and export the task files here first,
-carry both, then run, e.g.
-
-    adahop data --out .carry/corpus --sources shakespeare gcide python-doc wordnet brown
-    python -c "from adahop.train.tasks import export_task_files; export_task_files('.carry/tasks')"
-    # on the device, with carry [".carry"]:
-    python benchmarks/train_compare.py --corpus .carry/corpus --tasks-dir .carry/tasks --out $OUT/cmp \\
+    adahop data --out runs/corpus --sources shakespeare gcide python-doc wordnet brown
+    python -c "from adahop.train.tasks import export_task_files; export_task_files('runs/tasks')"
+    python benchmarks/train_compare.py --corpus runs/corpus --tasks-dir runs/tasks --out runs/compare \\
         --preset h200 --steps 1000 --recipes bf16 adahop_lv2
 
-Each recipe is one ``adahop train`` + ``adahop eval`` (so a run interrupted by the 10-minute
-command limit resumes from its checkpoint when the same command runs again). ``--gpus N`` runs
-the recipes as N processes, one per GPU (``CUDA_VISIBLE_DEVICES``), each taking every N-th
-recipe in turn, then writes the report over all of them: each run still has a GPU to itself, so
-its tokens/s is not shared with another run. ``--per-gpu K`` puts K such processes on each GPU
-(every (N*K)-th recipe each): the quality results are the same, the runs finish sooner in
-total, and their tokens/s are shared (measure speed with one process per GPU). The 125M
-comparison of session 5 ran that way:
+(On a machine without network, build the corpus and export the task files where there is one,
+and copy both over.) Each recipe is one ``adahop train`` + ``adahop eval``, so a run that is
+interrupted resumes from its checkpoint when the same command runs again. ``--gpus N`` runs the
+recipes as N processes, one per GPU (``CUDA_VISIBLE_DEVICES``), each taking every N-th recipe in
+turn, then writes the report over all of them: each run still has a GPU to itself, so its
+tokens/s is not shared with another run. ``--per-gpu K`` puts K such processes on each GPU
+(every (N*K)-th recipe each): the quality results are the same, the runs finish sooner in total,
+and their tokens/s are shared (measure speed with one process per GPU, or with
+benchmarks/bench_train_speed.py):
 
-    python benchmarks/train_compare.py --corpus .carry/corpus --tasks-dir .carry/tasks \
-        --out runs/c125 --preset h200_125m --recipes bf16 adahop_lv2 --per-gpu 2
+    python benchmarks/train_compare.py --corpus runs/corpus --tasks-dir runs/tasks \\
+        --out runs/compare_125m --preset h200_125m --recipes bf16 adahop_lv2 --per-gpu 2
+
+Writes ``comparison.md`` and ``loss_curves.png`` in --out, and one run folder per recipe.
 """
 
 from __future__ import annotations
@@ -38,20 +37,24 @@ import torch
 
 import adahop
 from adahop import cli
+from adahop.train.compare import compare_runs
+from adahop.train.recipes import PRESETS
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--corpus", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--preset", default="h200")
-    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--corpus", required=True, help="corpus folder made by adahop data")
+    p.add_argument("--out", required=True, help="folder of the run folders (one per recipe) and the report")
+    p.add_argument("--preset", default="h200", choices=list(PRESETS), help="training preset (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: the preset's)")
     p.add_argument("--seed", type=int, default=None, help="override the preset's seed (every recipe the same)")
-    p.add_argument("--recipes", nargs="+", default=list(adahop.RECIPES), choices=list(adahop.RECIPES))
-    p.add_argument("--tasks", nargs="*", default=["piqa", "hellaswag", "arc_easy", "lambada"])
-    p.add_argument("--tasks-dir", default=None)
+    p.add_argument("--recipes", nargs="+", default=list(adahop.RECIPES), choices=list(adahop.RECIPES),
+                   help="recipes to train and compare (default: all)")
+    p.add_argument("--tasks", nargs="*", default=["piqa", "hellaswag", "arc_easy", "lambada"],
+                   help="zero-shot tasks of adahop eval; none: held-out loss only (default: %(default)s)")
+    p.add_argument("--tasks-dir", default=None, help="folder of exported task files (adahop eval --tasks-dir)")
     p.add_argument("--limit", type=int, default=None, help="first N items of each task")
-    p.add_argument("--eval-batch-size", type=int, default=128)
+    p.add_argument("--eval-batch-size", type=int, default=128, help="adahop eval --batch-size (default: %(default)s)")
     p.add_argument("--compile", action="store_true", help="adahop train --compile: torch.compile each block")
     p.add_argument("--gpus", type=int, default=1, help="run the recipes in this many processes, one GPU each")
     p.add_argument("--per-gpu", type=int, default=1, help="processes sharing each GPU (shared tokens/s)")
@@ -103,7 +106,8 @@ def run_parallel(args) -> int:
     (gpus * per_gpu)-th recipe from the i-th; then the report."""
     base = ["--corpus", args.corpus, "--out", args.out, "--preset", args.preset,
             "--eval-batch-size", str(args.eval_batch_size), "--tasks", *args.tasks]
-    for flag, value in (("--steps", args.steps), ("--seed", args.seed), ("--tasks-dir", args.tasks_dir), ("--limit", args.limit)):
+    for flag, value in (("--steps", args.steps), ("--seed", args.seed), ("--tasks-dir", args.tasks_dir),
+                        ("--limit", args.limit)):
         if value is not None:
             base += [flag, str(value)]
     if args.compile:
@@ -142,7 +146,7 @@ def write_report(args, out: Path) -> int:
     if len(set(keys.values())) > 1:
         print(f"the runs differ in {same} or corpus, not comparable: {keys}", file=sys.stderr)
         return 2
-    table = cli.compare_runs(dirs, out / "loss_curves.png")
+    table = compare_runs(dirs, out / "loss_curves.png")
     zs = ["| recipe | " + " | ".join(args.tasks) + " | average |", "|---|" + "---|" * (len(args.tasks) + 1)]
     for recipe, ev in evals.items():
         tasks = ev.get("zero_shot", {}).get("tasks", {})

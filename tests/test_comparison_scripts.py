@@ -59,6 +59,7 @@ def test_train_compare_serial_and_parallel(corpus, tmp_path, capsys):
     # two processes sharing one GPU: the same runs, one report
     assert tc.main([*common, "--out", str(tmp_path / "c"), "--recipes", "bf16", "adahop_lv2", "--per-gpu", "2"]) == 0
     assert (tmp_path / "c" / "worker1.log").exists()
+
     def losses(report):  # recipe, steps, held-out loss, gap: not the (timing) columns after them
         return [row.split("|")[1:5] for row in report.splitlines() if row.startswith("| ")]
 
@@ -70,7 +71,8 @@ def test_train_compare_serial_and_parallel(corpus, tmp_path, capsys):
     assert tc.main(["--corpus", str(corpus), "--preset", "debug", "--steps", "4", "--tasks",
                     "--out", str(tmp_path / "b"), "--recipes", "mxfp4"]) == 0
     capsys.readouterr()
-    assert tc.main(["--corpus", str(corpus), "--out", str(tmp_path / "b"), "--recipes", "bf16", "mxfp4", "--report-only"]) == 2
+    assert tc.main(["--corpus", str(corpus), "--out", str(tmp_path / "b"), "--recipes", "bf16", "mxfp4",
+                    "--report-only"]) == 2
     assert "not comparable" in capsys.readouterr().err
 
 
@@ -103,7 +105,8 @@ def test_backend_agreement_windows_and_differences():
         ba.compare({"a": {1: 1.0}, "b": {2: 1.0}}, calibration_steps=0)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the triton backend on the CPU needs the interpreter")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the triton backend on the CPU needs the interpreter")
 def test_backend_agreement_reference_and_triton_train_to_the_same_bits(corpus, tmp_path):
     """The issue's "a converted model gives the same loss curve on both backends", on the CPU:
     the Triton quantize kernels equal the reference bit for bit and the triton backend's GEMM
