@@ -1,0 +1,303 @@
+"""Smoke tests of every script in benchmarks/ on the CPU.
+
+- Every script answers ``--help`` (exit 0) and every option it defines has a help string.
+- The GPU-only scripts refuse a machine without CUDA with one line and exit status 2.
+- Their sections run for real at tiny sizes where the CPU can: the Triton kernels under
+  ``TRITON_INTERPRET=1``, hopper_fp8's GEMM through ``torch._scaled_mm`` (which runs on the CPU),
+  with ``do_bench`` (GPU only) replaced by one call of the timed function. The rows they write
+  are checked: the variants agree bit for bit where the benchmark says so, and every row carries
+  the environment.
+- bench_train_speed.py runs end to end on the debug preset (one process per run, bf16 first and
+  last), and gpu_reference_check.py's training part on the CPU.
+
+The comparison scripts' real runs are in test_comparison_scripts.py, the quantization-error
+study's in test_quant_error_study.py, offline_compile.py's and sass_count.py's in
+test_offline_compile.py.
+"""
+
+import argparse
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from adahop.train import data as D
+from adahop.train import sources as S
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "common")
+GPU_ONLY = ("bench_gemm", "bench_kernels", "bench_linear", "check_hopper", "gpu_reference_check")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="the Triton kernels on the CPU need TRITON_INTERPRET=1")
+# At K = 64 wgrad's OE-right (k = 64 of the layer's recipes) selects every column: said, and fine here
+CLAMPED_OE = pytest.mark.filterwarnings("ignore:.*OE k=64 >= the dim it selects from")
+
+if str(BENCH) not in sys.path:  # the scripts import their shared helpers as `common`
+    sys.path.insert(0, str(BENCH))
+
+
+def script(name):
+    return importlib.import_module(name)
+
+
+def rows_of(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_every_script_is_listed():
+    # a new script gets a smoke test here: in GPU_ONLY (refusal) or in a CPU run below
+    assert set(SCRIPTS) == {"ablation", "backend_agreement", "bench_gemm", "bench_kernels", "bench_linear",
+                            "bench_train_speed", "check_hopper", "gpu_reference_check", "offline_compile",
+                            "quant_error_study", "sass_count", "train_compare"}
+    assert not (BENCH / "bench_hopper.py").exists()
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_exits_0_and_every_option_has_help(name, monkeypatch, capsys):
+    mod = script(name)
+    undocumented = []
+    real = argparse._ActionsContainer.add_argument
+
+    def add_argument(self, *args, **kwargs):
+        action = real(self, *args, **kwargs)
+        if not action.help:
+            undocumented.append(action.option_strings or action.dest)
+        return action
+
+    monkeypatch.setattr(argparse._ActionsContainer, "add_argument", add_argument)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith("usage:")
+    assert not undocumented, f"{name}: options without help: {undocumented}"
+
+
+def test_scripts_run_by_path():
+    """``python benchmarks/X.py`` finds its helpers (benchmarks/ is the script's folder)."""
+    out = subprocess.run([sys.executable, str(BENCH / "bench_linear.py"), "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "--no-emulation" in out.stdout, out.stderr[-2000:]
+    if not torch.cuda.is_available():
+        out = subprocess.run([sys.executable, str(BENCH / "bench_linear.py")], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+            "bench_linear.py: needs a CUDA GPU (torch.cuda.is_available() is False on this machine)"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("name", GPU_ONLY)
+def test_gpu_scripts_refuse_without_cuda(name, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        script(name).main(["--out", str(tmp_path / "rows.jsonl")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs a CUDA GPU" in err[0], err
+    assert not (tmp_path / "rows.jsonl").exists()
+
+
+def test_bad_arguments_are_refused_in_one_line(capsys):
+    for name, argv, says in [("bench_linear", ["--shapes", "14336x4096"], "--shapes takes"),
+                             ("bench_linear", ["--recipes", "adahop_lv3"], "--recipes takes"),
+                             ("bench_kernels", ["--sections", "quant,gemm"], "--sections takes"),
+                             ("bench_train_speed", ["--steps", "30", "20"], "1 <= P0 < P1"),
+                             ("bench_train_speed", ["--calibration-steps", "30"], "after the calibration")]:
+        with pytest.raises(SystemExit) as e:
+            script(name).main(argv)
+        assert e.value.code == 2
+        assert says in capsys.readouterr().err, (name, argv)
+
+
+# ---- the GPU scripts' sections on the CPU -------------------------------------------------------------------
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """The benchmark sections on the CPU at tiny sizes: operands on the CPU, hopper_fp8 for the
+    layers' dispatch, one call of the timed function instead of do_bench (1.0 ms each), no CUDA
+    check. Returns the list of the timed calls."""
+    import adahop.linear
+    from adahop.ops import backends
+    from adahop.ops.kernel_backends import HopperFP8Backend
+
+    common = script("common")
+    timed = []
+
+    def fake_bench(fn, rep=100):
+        fn()
+        timed.append(rep)
+        return 1.0
+
+    hopper = HopperFP8Backend()
+    real_get_backend = backends.get_backend
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    monkeypatch.setattr(common, "bench", fake_bench)
+
+    def get_backend(name="auto", device=None):
+        return hopper if name == "hopper_fp8" else real_get_backend(name, device)
+
+    monkeypatch.setattr(adahop.linear, "get_backend", get_backend)
+    for name in ("bench_kernels", "bench_gemm", "bench_linear", "check_hopper"):
+        mod = script(name)
+        monkeypatch.setattr(mod, "bench", fake_bench, raising=False)
+        monkeypatch.setattr(mod, "T", 64, raising=False)
+        monkeypatch.setattr(mod, "require_cuda", lambda _: None, raising=False)
+    return timed, hopper
+
+
+@needs_interpreter
+@CLAMPED_OE
+def test_bench_linear_sections_on_cpu(on_cpu, tmp_path, monkeypatch):
+    timed, _ = on_cpu
+    bl = script("bench_linear")
+    monkeypatch.setattr(bl, "SINGLE_SHAPE", (96, 64))
+    monkeypatch.setattr(bl, "T", 128)  # more tokens than OE's k = 64: OE-left selects among them
+    out = tmp_path / "linear.jsonl"
+    assert bl.main(["--sections", "linear,memory", "--recipes", "adahop_lv2", "--shapes", "96,64",
+                    "--pairs", "2", "--rep", "50", "--out", str(out)]) == 0
+    rows = rows_of(out)
+    assert [r["section"] for r in rows] == ["linear"] + ["memory"] * 7
+    assert all(r["benchmark"] == "bench_linear" and r["env"]["torch"] == torch.__version__ for r in rows)
+    lin = rows[0]
+    assert lin["shape"] == [96, 64] and lin["grads"] == "fresh"
+    assert set(lin["speedup_vs_bf16"]) == {"adahop_lv2", "mxfp4_reference_emulation"}
+    # paired: every ratio from 2 BF16 timings alternating with 2 of the recipe; the emulation
+    # gets 3/5 of --rep
+    assert all(len(t["bf16"]) == 2 and len(t[name]) == 2 for name, t in lin["times_ms"].items())
+    assert sorted(timed) == [30] * 4 + [50] * 4
+    saved = {r["recipe"]: r["saved_bytes"] for r in rows[1:]}
+    assert set(saved) == {"bf16_nn", "bf16", "mxfp4", "mxfp4_iht", "tseng", "adahop_lv2", "adahop_lv1"}
+    # BF16 keeps x and the bf16 weight for the backward, naive mxfp4 their packed MXFP4 (17/32 byte per value)
+    assert saved["bf16"] == saved["bf16_nn"] and saved["mxfp4"] < saved["bf16_nn"] / 3
+
+
+@needs_interpreter
+def test_bench_kernels_sections_on_cpu(on_cpu, tmp_path, monkeypatch):
+    bk = script("bench_kernels")
+    monkeypatch.setattr(bk, "COPY_BYTES", 4096)
+    monkeypatch.setattr(bk, "QUANT_SHAPE", (64, 64))
+    monkeypatch.setattr(bk, "QUANT_CONFIGS", [{}, dict(block_r=8, block_k=64, num_warps=4)])
+    monkeypatch.setattr(bk, "SPLIT_CASES", [("g along T -> e4m3", (64, 64), 0, True)])
+    monkeypatch.setattr(bk, "BOTH_N", (64,))
+    monkeypatch.setattr(bk, "BOTH_TILES", ((32, 32, 4),))
+    monkeypatch.setattr(bk, "BOTHX_K", (64,))
+    out = tmp_path / "kernels.jsonl"
+    # ("single" runs the library's default 16 x 256 launch: minutes under the interpreter)
+    assert bk.main(["--sections", "quant,split,both,bothx,oe", "--shapes", "64,64", "--out", str(out)]) == 0
+    rows = {}
+    for r in rows_of(out):
+        rows.setdefault(r["section"], []).append(r)
+    assert [len(rows[s]) for s in ("quant", "split", "both", "bothx", "oe")] == [7, 1, 1, 1, 1]
+    assert all(len(r["every_config"]) == 2 for r in rows["quant"][:6] if r["variant"] in (
+        "x along K -> e4m3, IHT 32", "x along T -> packed, IHT 32 (saved)"))
+    assert rows["split"][0]["bit_exact"] and rows["bothx"][0]["bit_exact"]
+    assert rows["both"][0]["tile32x32_w4_bit_exact"] is True
+    assert rows["oe"][0]["topk_g_rows_equal"] and rows["oe"][0]["topk_x_cols_equal"]
+
+
+@needs_interpreter
+def test_bench_gemm_sections_on_cpu(on_cpu, tmp_path, monkeypatch):
+    _, hopper = on_cpu
+    bg = script("bench_gemm")
+    monkeypatch.setattr(bg, "hopper_backend", lambda: hopper)
+    monkeypatch.setattr(bg, "SQUARE", 64)
+    monkeypatch.setattr(bg, "MX_SHAPES", [(64, 96, 64)])
+    out = tmp_path / "gemm.jsonl"
+    assert bg.main(["--shapes", "32,64", "--out", str(out)]) == 0
+    rows = rows_of(out)
+    assert [(r["section"], r["shape"]) for r in rows] == [("gemm", [64, 64, 64]), ("gemm", [64, 32, 64]),
+                                                          ("mx", [64, 96, 64])]
+    assert rows[2]["rel_err_vs_reference"] < 1e-6  # tl.dot_scaled's GEMM is the reference's
+    assert not hopper.use_fast_accum  # put back after its timing
+
+
+@needs_interpreter
+@CLAMPED_OE
+def test_check_hopper_on_cpu(on_cpu, tmp_path, monkeypatch, capsys):
+    _, hopper = on_cpu
+    ch = script("check_hopper")
+    from adahop.ops import get_backend
+
+    monkeypatch.setattr(ch, "require_fp8_gpu", lambda: None)
+    monkeypatch.setattr(ch, "backend", lambda name: hopper if name == "hopper_fp8" else get_backend(name, "cpu"))
+    monkeypatch.setattr(ch, "QUANTIZE_CASES", [((64, 64), 1, None, "rne", "even"), ((64, 96), 0, 32, "sr", "rceil")])
+    monkeypatch.setattr(ch, "GEMM_SHAPES", ((64, 64), (32, 64)))
+    monkeypatch.setattr(ch, "LINEAR_SHAPE", (128, 64, 32))  # T > OE's k = 64
+    monkeypatch.setattr(ch, "LINEAR_RECIPES", ("mxfp4", "adahop_lv2"))
+    out = tmp_path / "check.jsonl"
+    assert ch.main(["--out", str(out)]) == 0
+    rows = rows_of(out)
+    quantize = [r for r in rows if r["section"] == "quantize"]
+    assert len(quantize) == 2 and all(r["codes_bit_exact"] and r["unpack_bit_exact"] for r in quantize)
+    assert [r["recipe"] for r in rows if r["section"] == "linear"] == ["mxfp4", "adahop_lv2"]
+    assert all(max(r["rel_y"], r["rel_dx"], r["rel_dw"]) < 1e-2 for r in rows if r["section"] == "linear")
+    assert "quantize: 2/2 cases bit-exact" in capsys.readouterr().out
+
+
+# ---- training scripts ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    out = tmp_path_factory.mktemp("corpus")
+    src = S.cpython_stdlib_source(modules=("json", "textwrap", "string"), name="stdlib-mini")
+    D.build_corpus(out, sources=[src], tokenizer="byte", progress=False)
+    return out
+
+
+SPEED = ["--preset", "debug", "--model-size", "tiny", "--no-compile", "--batch-size", "2", "--seq-len", "32",
+         "--steps", "2", "4", "--calibration-steps", "1"]
+
+
+def test_bench_train_speed_end_to_end(corpus, tmp_path, capsys):
+    """bf16, mxfp4, bf16, each in its own process: one row per run with the environment, the
+    table with both ratios."""
+    ts = script("bench_train_speed")
+    out = tmp_path / "speed.jsonl"
+    assert ts.main([*SPEED, "--corpus", str(corpus), "--recipes", "mxfp4", "--out", str(out),
+                    "--run-dir", str(tmp_path)]) == 0
+    rows = rows_of(out)
+    assert [(r["run"], r["recipe"]) for r in rows] == [(1, "bf16"), (2, "mxfp4"), (3, "bf16")]
+    assert len({r["call"] for r in rows}) == 1
+    for r in rows:
+        assert r["window"] == [2, 4] and r["tokens_per_step"] == 64 and r["model_size"] == "tiny"
+        assert r["steady_tokens_per_s"] > 0 and r["ms_per_step"] > 0 and r["first_step_s"] > 0
+        assert len(r["losses"]) == 4 and all(math.isfinite(v) for v in r["losses"])
+        assert r["env"]["adahop"] and r["env"]["command"].startswith("python benchmarks/bench_train_speed.py")
+    # the same model, data and seed: the two bf16 runs train to the same losses
+    assert rows[0]["losses"] == rows[2]["losses"] != rows[1]["losses"]
+    assert list(tmp_path.glob("speed_*")) == []  # each run's folder removed after it
+    text = capsys.readouterr().out
+    assert "| 2 | mxfp4 |" in text and "vs bf16 (first)" in text and "bf16 drift over the call" in text
+
+
+def test_bench_train_speed_worker_profiles(corpus, tmp_path):
+    """One run in this process, adaptive (calibration, then MXFP4), with the profile window."""
+    ts = script("bench_train_speed")
+    row_file = tmp_path / "row.json"
+    assert ts.main([*SPEED, "--corpus", str(corpus), "--profile-steps", "1", "--worker", "adahop_lv2",
+                    "--row-file", str(row_file)]) == 0
+    row = json.loads(row_file.read_text())
+    assert row["recipe"] == "adahop_lv2" and row["calibration_steps"] == 1 and len(row["losses"]) == 5
+    assert row["profiled"] == "cpu op self time" and row["device_ms_per_step"] > 0
+    assert any("mm" in name for name, _, _ in row["top"])
+
+
+def test_bench_train_speed_refuses_a_gpu_preset_without_cuda(corpus, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal on a machine without CUDA")
+    ts = script("bench_train_speed")
+    assert ts.main(["--corpus", str(corpus), "--out", str(tmp_path / "rows.jsonl")]) == 2
+    assert "no usable CUDA GPU" in capsys.readouterr().err
+    assert ts.main(["--corpus", str(tmp_path / "none"), "--preset", "debug"]) == 2
+    assert not (tmp_path / "rows.jsonl").exists()
+
+
+def test_gpu_reference_check_trains_every_recipe(corpus, tmp_path):
+    import adahop
+
+    rows = script("gpu_reference_check").train_every_recipe(corpus, device="cpu", steps=2, out_dir=tmp_path,
+                                                          batch_size=2, seq_len=32)
+    assert [r["recipe"] for r in rows] == list(adahop.RECIPES)
+    assert all(r["finite"] and r["steps"] == 2 for r in rows)
