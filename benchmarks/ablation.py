@@ -21,6 +21,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from common import environment, environment_line, print_environment
+
 import adahop
 from adahop.policy import GEMMS, table_policy
 from adahop.train.recipes import PRESETS
@@ -82,7 +84,7 @@ def variant_config(name: str, base: adahop.AdaHOPConfig, seed: int) -> adahop.Ad
     return q.replace(**{g: dataclasses.replace(q.gemm(g), oe_k=base.gemm(g).oe_k) for g in GEMMS})
 
 
-def run_one(args, name: str, seed: int) -> None:
+def run_one(args, name: str, seed: int, env: dict) -> None:
     from adahop.train.data import load_corpus
     from adahop.train.recipes import preset
     from adahop.train.run import heldout_eval, open_run
@@ -111,7 +113,7 @@ def run_one(args, name: str, seed: int) -> None:
                     on_step=to_bf16_at_switch if switch_at is not None else None)
     result = {"variant": name, "seed": seed, "steps": summary["steps"], "heldout_loss": summary["final_eval"]["loss"],
               "last_train_losses": summary["losses"][-50:], "tokens_per_s": summary["tokens_per_s"],
-              "peak_memory_bytes": summary["peak_memory_bytes"], "compile": cfg.compile}
+              "peak_memory_bytes": summary["peak_memory_bytes"], "compile": cfg.compile, "env": env}
     # The same weights evaluated with every GEMM in BF16: how much of the gap is the MXFP4
     # forward at evaluation time, and how much is in the trained weights.
     for layer in adahop.adahop_layers(model).values():
@@ -160,6 +162,9 @@ def report(out: Path) -> str:
             lines.append(f"| {name} | {len(seeds)} | {statistics.mean(mx):+.4f} | {statistics.mean(gaps):+.4f} "
                          f"| {per_seed} |")
         table += "\n".join(lines) + "\n"
+    machines = sorted({environment_line(r["env"]) for r in runs if "env" in r})
+    if machines:
+        table += "\nRuns made on: " + " / ".join(machines) + "\n"
     (out / "ablation.md").write_text(table)
     return table
 
@@ -182,6 +187,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (train/compile.py)")
     p.add_argument("--report", action="store_true", help="only write the table of the finished runs")
     args = p.parse_args(argv)
+    env = environment("ablation.py", argv)
+    print_environment(env)
     out = Path(args.out)
     if not args.report:
         import torch
@@ -190,7 +197,7 @@ def main(argv=None) -> int:
             torch.set_num_threads(args.threads)
         for seed in args.seeds:
             for name in args.variants:
-                run_one(args, name, seed)
+                run_one(args, name, seed, env)
     print(report(out))
     return 0
 

@@ -31,6 +31,8 @@ import math
 import sys
 from pathlib import Path
 
+from common import environment, environment_line, print_environment
+
 import adahop
 from adahop import cli
 from adahop.config import BACKEND_CHOICES
@@ -92,6 +94,8 @@ def main(argv=None) -> int:
     p.add_argument("--report-only", action="store_true",
                    help="only compare the runs already in OUT/<backend> (e.g. trained side by side, or cut short)")
     args = p.parse_args(argv)
+    env = environment("backend_agreement.py", argv)
+    print_environment(env)
     if len(set(args.backends)) < 2:
         p.error(f"--backends needs two different backends, got {args.backends}")
     out = Path(args.out)
@@ -154,10 +158,12 @@ def main(argv=None) -> int:
         cells = [f"{row[b]['mean_abs']:.2e} | {row[b]['max_abs']:.2e} | {row[b]['mean']:+.2e}"
                  for b in args.backends[1:]]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", f"Report made on: {environment_line(env)}" + (" (runs made earlier)" if args.report_only else "")]
     report = "\n".join(lines) + "\n"
     (out / "agreement.md").write_text(report)
     (out / "agreement.json").write_text(json.dumps(
-        {"recipe": recipe, "config": configs[first].to_dict(), "backends": args.backends, "heldout": heldout,
+        {"recipe": recipe, "env": env, "config": configs[first].to_dict(), "backends": args.backends,
+         "heldout": heldout,
          "same_modes": len(set(modes.values())) == 1, "windows": rows,
          "losses": {b: [losses[b][s] for s in sorted(losses[b])] for b in args.backends}}, indent=1))
     from adahop.train.plot import plot_loss_curves

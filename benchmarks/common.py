@@ -82,10 +82,15 @@ def environment(script: str, argv: list[str] | None = None) -> dict:
     return env
 
 
-def print_environment(env: dict) -> None:
+def environment_line(env: dict) -> str:
+    """``environment()`` in one line (for stdout and Markdown reports)."""
     gpu = f"{env['gpu']} (sm {env['capability']}, CUDA {env['cuda']})" if env["gpu"] else "no GPU (CPU)"
-    print(f"{gpu}; torch {env['torch']}, triton {env['triton']}, adahop {env['adahop']}, "
-          f"commit {env['commit'] or 'unknown'}; {env['date']}", flush=True)
+    return (f"{gpu}; torch {env['torch']}, triton {env['triton']}, adahop {env['adahop']}, "
+            f"commit {env['commit'] or 'unknown'}; {env['date']}")
+
+
+def print_environment(env: dict) -> None:
+    print(environment_line(env), flush=True)
 
 
 def require_cuda(script: str) -> None:

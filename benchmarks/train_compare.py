@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import environment, environment_line, print_environment
 
 import adahop
 from adahop import cli
@@ -61,6 +62,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-report", action="store_true", help="(worker processes) train and evaluate only")
     p.add_argument("--report-only", action="store_true", help="only write the report of the finished runs")
     args = p.parse_args(argv)
+    env = environment("train_compare.py", argv)
+    print_environment(env)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
@@ -96,7 +99,7 @@ def main(argv=None) -> int:
         if cli.main(eval_argv) != 0:
             return 2
         t2 = time.perf_counter()
-        (run / "wall_times.json").write_text(json.dumps({"train_s": t1 - t0, "eval_s": t2 - t1}))
+        (run / "wall_times.json").write_text(json.dumps({"train_s": t1 - t0, "eval_s": t2 - t1, "env": env}))
         print(f"[{recipe}] train {t1 - t0:.0f} s, eval {t2 - t1:.0f} s", flush=True)
     return 0 if args.no_report else write_report(args, out)
 
@@ -155,6 +158,10 @@ def write_report(args, out: Path) -> int:
         avg_cell = f"{100 * avg:.2f}" if avg is not None else "-"
         zs.append(f"| {recipe} | " + " | ".join(cells) + f" | {avg_cell} |")
     report = f"{table}\n\nZero-shot (percent; primary metric per task):\n\n" + "\n".join(zs) + "\n"
+    walls = [json.loads((d / "wall_times.json").read_text()) for d in dirs if (d / "wall_times.json").exists()]
+    machines = sorted({environment_line(w["env"]) for w in walls if "env" in w})
+    if machines:
+        report += "\nRuns made on: " + " / ".join(machines) + "\n"
     (out / "comparison.md").write_text(report)
     print(report)
     return 0

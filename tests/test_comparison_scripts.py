@@ -16,6 +16,8 @@ from adahop.train import data as D
 from adahop.train import sources as S
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+if str(BENCH) not in sys.path:  # the scripts import their shared helpers (benchmarks/common.py)
+    sys.path.insert(0, str(BENCH))
 
 
 def load(name):
@@ -40,6 +42,7 @@ def test_train_compare_serial_and_parallel(corpus, tmp_path, capsys):
     assert tc.main([*common, "--out", str(tmp_path / "a"), "--recipes", "bf16", "mxfp4"]) == 0
     table = (tmp_path / "a" / "comparison.md").read_text()
     assert "| bf16 | 3 |" in table and "| mxfp4 | 3 |" in table
+    assert f"Runs made on: {'no GPU' if not torch.cuda.is_available() else ''}" in table and "adahop 0." in table
     assert (tmp_path / "a" / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
 
     # two worker processes (one per GPU on a GPU machine), then one report over both. A machine
@@ -90,6 +93,7 @@ def test_ablation_pairs_gaps_by_seed(corpus, tmp_path):
     gap0 = runs["lv2_fprop_bf16", 0] - runs["bf16", 0]
     gap1 = runs["lv2_fprop_bf16", 1] - runs["bf16", 1]
     assert f"{(gap0 + gap1) / 2:+.4f}" in table and f"s0: {gap0:+.4f}" in table
+    assert "Runs made on: " in table and f"torch {torch.__version__}" in table
 
 
 def test_backend_agreement_windows_and_differences():
@@ -125,6 +129,7 @@ def test_backend_agreement_reference_and_triton_train_to_the_same_bits(corpus, t
     assert all(row["triton"]["max_abs"] == 0 for row in res["windows"])
     assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
     assert "| triton | " in (out / "agreement.md").read_text()
+    assert res["env"]["torch"] == torch.__version__ and "Report made on: " in (out / "agreement.md").read_text()
 
     # comparing runs that differ in what they trained is refused
     cfg = json.loads((out / "triton" / "config.json").read_text())
