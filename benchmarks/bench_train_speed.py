@@ -19,9 +19,9 @@ over a call, so each ratio is given against both BF16 runs. Per run:
 - with ``--profile-steps N``: device time per step over N steps after P1 (CUDA kernels from
   ``torch.profiler``; on the CPU, self CPU time per op), and the top kernels.
 
-The run stops after P1 (+ N) steps (``stop_after``), whatever the preset's length (the learning
-rate schedule is the preset's). The trainer writes its log and a final checkpoint into a
-temporary folder (or --run-dir), removed after each run. Rows go to --out (JSONL, default
+The run stops after P1 (+ N) steps (the hook raises ``StopTraining``: no checkpoint is
+written), whatever the preset's length (the learning rate schedule is the preset's). The
+trainer writes its log into a temporary folder (or --run-dir), removed after each run. Rows go to --out (JSONL, default
 runs/bench/bench_train_speed.jsonl), one per run with the environment; a Markdown table is
 printed last. On the CPU: ``--preset debug --model-size tiny --no-compile`` with a small corpus.
 """
@@ -69,7 +69,7 @@ def measure(args, recipe: str) -> dict:
     from adahop.ops.backends import get_backend
     from adahop.train.data import load_corpus
     from adahop.train.run import open_run
-    from adahop.train.trainer import resolve_device, train
+    from adahop.train.trainer import StopTraining, resolve_device, train
 
     p0, p1 = args.steps
     n_prof = args.profile_steps
@@ -106,9 +106,11 @@ def measure(args, recipe: str) -> dict:
                 sync()
                 state["prof"].stop()
                 state.update(profile_summary(state.pop("prof"), n_prof, cuda))
+            if step == p1 + n_prof:
+                raise StopTraining  # measured: no checkpoint (15 GB at 1B), no final evaluation
 
         state["t_start"] = time.perf_counter()
-        summary = train(cfg, model=model, train_batches=batches, resume=False, stop_after=p1 + n_prof, on_step=on_step)
+        summary = train(cfg, model=model, train_batches=batches, resume=False, on_step=on_step)
         if "window_s" not in state:
             raise RuntimeError(f"the run stopped at step {summary['steps']}, before P1 = {p1}")
         tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
@@ -236,7 +238,7 @@ def parse_args(argv=None):
     g.add_argument("--out", default=str(default_out("bench_train_speed")),
                    help="JSONL file the rows are appended to, one per run (default: %(default)s)")
     g.add_argument("--run-dir", default=None,
-                   help="folder for each run's trainer output (log, final checkpoint), removed after the run "
+                   help="folder for each run's trainer output (its log), removed after the run "
                         "(default: the system's temporary folder)")
     g = p.add_argument_group("internal")
     g.add_argument("--worker", default=None, metavar="RECIPE",

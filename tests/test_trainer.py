@@ -252,3 +252,18 @@ def test_config_round_trips_through_json_and_reads_the_flat_layout(tmp_path):
         preset("debug", lr_typo=1)
     with pytest.raises(ValueError, match="not both"):
         preset("debug", recipe="bf16", adahop=adahop.AdaHOPConfig.from_recipe_name("mxfp4"))
+
+
+def test_stop_training_from_the_hook_ends_the_run_without_a_checkpoint(tmp_path):
+    from adahop.train.trainer import StopTraining
+
+    def hook(step, model):
+        if step == 3:
+            raise StopTraining
+
+    cfg = config(tmp_path, recipe="bf16", steps=8, ckpt_every=2)
+    summary = train(cfg, model=tiny_model(), train_batches=CountingBatches(), on_step=hook, eval_fn=lambda m: {})
+    assert summary["stopped"] and summary["steps"] == 3 and len(summary["losses"]) == 3
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step_000000002.pt"]
+    assert summary["final_eval"] is None and not (tmp_path / "run" / "summary.json").exists()
+    assert [r["step"] for r in read_log(tmp_path / "run")] == [1, 2, 3]

@@ -195,6 +195,11 @@ def _progress(total: int, initial: int, enabled: bool):
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
 
+class StopTraining(Exception):  # noqa: N818  (a signal, not an error)
+    """Raised by an ``on_step`` hook to end the run after the current step, with no checkpoint
+    and no final evaluation (a benchmark that has measured what it wanted, early stopping)."""
+
+
 # Fields that may change when a run resumes: where and how it runs, not what it computes.
 # (``adahop.backend`` may change too: every backend gives the reference's quantized bits, and
 # their GEMMs differ only in accumulation order.)
@@ -233,8 +238,9 @@ def train(
 
     ``stop_after``: stop after that many steps of this call (to test interruption).
     ``on_step(step, model)``: called after each optimizer step (``step`` counts from 1), before
-    the step's evaluation and checkpoint. Returns a summary: losses per step, final eval,
-    tokens/s, peak memory."""
+    the step's evaluation and checkpoint; raising ``StopTraining`` there ends the run after that
+    step without a checkpoint (the summary says ``"stopped": True``). Returns a summary: losses
+    per step, final eval, tokens/s, peak memory."""
     cfg.validate()
     out = ensure_writable_dir(cfg.out_dir)
     with RunLock(out):
@@ -317,6 +323,7 @@ def _train(cfg, out, *, model, train_batches, eval_fn, resume, stop_after, on_st
         pending.clear()
         t_window = time.perf_counter()
 
+    stop = False
     try:
         while step < cfg.steps:
             lr = lr_at(step, cfg)
@@ -337,11 +344,16 @@ def _train(cfg, out, *, model, train_batches, eval_fn, resume, stop_after, on_st
             step += 1
             steps_done += 1
             if on_step is not None:
-                on_step(step, model)
+                try:
+                    on_step(step, model)
+                except StopTraining:
+                    stop = True
             record = {"step": step, "loss": None, "lr": lr, "grad_norm": None,
                       "tokens": step * tokens_per_step, "tok_per_s": None,
                       "calibrated": adahop.is_calibrated(model)}
             pending.append((record, loss_sum / cfg.grad_accum, grad_norm.float()))
+            if stop:
+                break
             last = step == cfg.steps or (stop_after is not None and steps_done >= stop_after)
             do_eval = bool(cfg.eval_every and step % cfg.eval_every == 0 and eval_fn is not None and step < cfg.steps)
             do_ckpt = bool(cfg.ckpt_every and step % cfg.ckpt_every == 0) or last
@@ -360,19 +372,20 @@ def _train(cfg, out, *, model, train_batches, eval_fn, resume, stop_after, on_st
             bar.close()
     elapsed = time.perf_counter() - t_start
     eval_result = None
-    if step == cfg.steps and eval_fn is not None:
+    finished = step == cfg.steps and not stop
+    if finished and eval_fn is not None:
         # a run killed after its final evaluation was logged, before its summary: not again
         logged = next((r["final_eval"] for r in log.records() if "final_eval" in r and r["step"] == step), None)
         eval_result = logged if logged is not None else eval_fn(model)
         if logged is None:
             log.write({"step": step, "final_eval": eval_result})
     summary = {
-        "recipe": cfg.recipe, "model_size": cfg.model_size, "steps": step, "losses": losses,
+        "recipe": cfg.recipe, "model_size": cfg.model_size, "steps": step, "losses": losses, "stopped": stop,
         "tokens_per_s": steps_done * tokens_per_step / elapsed if steps_done and elapsed > 0 else None,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "final_eval": eval_result,
     }
-    if step == cfg.steps:
+    if finished:
         modes = {fqn: dict(layer.modes or {}) for fqn, layer in adahop.adahop_layers(model).items()}
         write_text_atomic(out / "modes.json", json.dumps(modes, indent=1))
         write_text_atomic(out / "summary.json",
