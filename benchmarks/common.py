@@ -42,8 +42,10 @@ DEFAULT_OUT_DIR = Path("runs") / "bench"
 
 # ---- environment ----------------------------------------------------------------------------------
 def git_commit() -> str | None:
-    """The checkout's commit (``+dirty`` when tracked files differ from it), else ``$ADAHOP_COMMIT``
-    (for a copy of the tree without its .git), else None."""
+    """``$ADAHOP_COMMIT`` when set (a copy of the tree whose .git is absent or lags its files),
+    else the checkout's commit (``+dirty`` when tracked files differ from it), else None."""
+    if os.environ.get("ADAHOP_COMMIT"):
+        return os.environ["ADAHOP_COMMIT"]
     try:
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True,
                               text=True, timeout=10)
@@ -53,7 +55,7 @@ def git_commit() -> str | None:
             return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("ADAHOP_COMMIT") or None
+    return None
 
 
 def environment(script: str, argv: list[str] | None = None) -> dict:
