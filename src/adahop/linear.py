@@ -97,7 +97,8 @@ class LayerPlan:
 PLAIN_MODES = ("mxfp4", "iht")
 
 
-def mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=None, b_cols_hp=None, b_cols_idx=None, a_q=None, a_norms=None, b_cast_to=None, out_dtype):
+def mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=None, b_cols_hp=None, b_cols_idx=None,
+               a_q=None, a_norms=None, b_cast_to=None, out_dtype):
     """One GEMM of a layer as its plan (``make_gemm_plan``) says, on ``backend``: C = A @ B with
     both operands quantized to MXFP4 along the contraction (after the plan's Hadamard transform,
     with its rounding and scale mode), the product in ``out_dtype``, and for the OE modes the
@@ -120,7 +121,8 @@ def mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=N
     if a_q is None:
         a_q = backend.quantize(a, a_dim, plan.a, zero_outer=rows_idx)
     # B may be the packed operand the forward saved (wgrad's x); mm_nt takes it as it is.
-    b_q = b if isinstance(b, MXFP4Tensor) else backend.quantize(b, b_dim, plan.b, zero_outer=cols_idx, cast_to=b_cast_to)
+    b_q = b if isinstance(b, MXFP4Tensor) else backend.quantize(b, b_dim, plan.b, zero_outer=cols_idx,
+                                                                cast_to=b_cast_to)
     c = backend.mm_nt(a_q, b_q, out_dtype)
     # The high-precision slices are GEMMs in the operands' dtype (bf16 under autocast), written
     # into C in C's dtype (wgrad's C is the parameter's, float32: see the backward).
@@ -273,7 +275,8 @@ class AdaHOPLinear(nn.Linear):
     precision for good (``runs_plain_linear``: the bf16 recipe) is ``F.linear`` and counts no
     calls."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *, config: AdaHOPConfig | None = None, name: str = ""):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
+                 config: AdaHOPConfig | None = None, name: str = ""):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         config = AdaHOPConfig() if config is None else config
         if not isinstance(config, AdaHOPConfig):
@@ -352,7 +355,7 @@ class AdaHOPLinear(nn.Linear):
         _, _, prefix, templates = static
         call_state = None
         plans = []
-        for gemm, gi, template in templates:
+        for _gemm, gi, template in templates:
             if template.quantized and (template.a.rounding == "sr" or template.b.rounding == "sr"):
                 if call_state is None:
                     call_state = mix_seeds_from(prefix, call)
