@@ -395,7 +395,7 @@ def load_corpus(corpus_dir: str | os.PathLike, *, verify: bool = True, model_voc
     mpath = root / MANIFEST
     if not mpath.is_file():
         raise ValueError(f"no corpus at {root}: {mpath} is missing (build it with "
-                         f"`python -m adahop.train.data --out {root}` or train.data.build_corpus)")
+                         f"`adahop data --out {root}` or train.data.build_corpus)")
     try:
         manifest = json.loads(mpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
