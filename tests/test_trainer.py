@@ -267,3 +267,26 @@ def test_stop_training_from_the_hook_ends_the_run_without_a_checkpoint(tmp_path)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step_000000002.pt"]
     assert summary["final_eval"] is None and not (tmp_path / "run" / "summary.json").exists()
     assert [r["step"] for r in read_log(tmp_path / "run")] == [1, 2, 3]
+
+
+def test_a_run_with_a_policy_function_resumes(tmp_path):
+    """A custom policy_fn is saved by name: the same function resumes, another one is refused."""
+    from adahop.train.trainer import resume_conflicts
+
+    def all_iht(summary):
+        return {"fprop": "iht", "dgrad": "iht", "wgrad": "iht"}
+
+    def all_mxfp4(summary):
+        return {"fprop": "mxfp4", "dgrad": "mxfp4", "wgrad": "mxfp4"}
+
+    import dataclasses
+
+    base = config(tmp_path, steps=6)
+    cfg = dataclasses.replace(base, adahop=base.adahop.replace(policy_fn=all_iht))
+    train(cfg, model=tiny_model(), train_batches=CountingBatches(), stop_after=3)
+    saved = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints"))["config"]
+    assert resume_conflicts(saved, cfg) == []
+    other = dataclasses.replace(base, adahop=base.adahop.replace(policy_fn=all_mxfp4))
+    assert [c.split(":")[0] for c in resume_conflicts(saved, other)] == ["adahop.policy_fn"]
+    summary = train(cfg, model=tiny_model(), train_batches=CountingBatches())
+    assert summary["steps"] == 6 and len(read_log(tmp_path / "run")) >= 6

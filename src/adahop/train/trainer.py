@@ -207,10 +207,12 @@ RESUMABLE_CHANGES = ("out_dir", "corpus_dir", "device", "compile", "progress", "
                      "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "extra")
 
 
-def resume_conflicts(saved: TrainConfig, cfg: TrainConfig) -> list[str]:
-    """The settings of ``cfg`` that differ from the checkpoint's ``saved`` config and would make
-    the resumed run a different run (anything but ``RESUMABLE_CHANGES``)."""
-    a, b = saved.to_dict(), cfg.to_dict()
+def resume_conflicts(saved: dict, cfg: TrainConfig) -> list[str]:
+    """The settings of ``cfg`` that differ from the checkpoint's config ``saved`` (as the
+    checkpoint holds it) and would make the resumed run a different run (anything but
+    ``RESUMABLE_CHANGES``). A custom policy function is compared by the name it was saved under."""
+    a, b = TrainConfig.from_dict(saved).to_dict(), cfg.to_dict()
+    a["adahop"]["policy_fn"] = (saved.get("adahop") or {}).get("policy_fn")
     out = [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if k not in RESUMABLE_CHANGES and k != "adahop" and a[k] != b[k]]
     qa, qb = dict(a["adahop"], backend=None), dict(b["adahop"], backend=None)
     out += [f"adahop.{k}: {qa[k]!r} -> {qb[k]!r}" for k in qa if qa[k] != qb[k]]
@@ -255,8 +257,7 @@ def _train(cfg, out, *, model, train_batches, eval_fn, resume, stop_after, on_st
     found = latest_checkpoint(ckpt_dir) if resume else None
     state = load_training_checkpoint(found) if found is not None else None
     if state is not None:
-        saved = TrainConfig.from_dict(state["config"])
-        conflicts = resume_conflicts(saved, cfg)
+        conflicts = resume_conflicts(state["config"], cfg)
         if conflicts:
             raise ValueError(f"{found} belongs to a run with other settings ({'; '.join(conflicts)}); "
                              "give the same settings to resume it, or a new --out (or --no-resume to start over)")
