@@ -374,7 +374,8 @@ def main(argv=None) -> int:
     try:
         COMMANDS[args.command](args)
     except KeyboardInterrupt:
-        print(f"{where}: interrupted; the last checkpoint is kept", file=sys.stderr)
+        kept = "; the run's last checkpoint is kept" if args.command in ("train", "quickstart") else ""
+        print(f"{where}: interrupted{kept}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except FloatingPointError as e:  # divergence, with the step and what was kept
         print(f"{where}: error: {e}", file=sys.stderr)
