@@ -516,3 +516,21 @@ def test_bad_size_and_frozen_config():
         cfg.dim = 128
     # overrides apply on top of the named size
     assert LlamaConfig.from_size("1b", vocab_size=10, max_seq_len=8, n_layers=2).n_layers == 2
+
+
+def test_token_ids_are_checked_on_the_cpu_and_the_whole_model_compiles_without_a_break():
+    """Eager, on a CPU tensor: an id outside the vocabulary is a ValueError. Under torch.compile
+    the check reads nothing back, so the unconverted model traces as one graph (fullgraph=True
+    raises on any graph break)."""
+    model = tiny()
+    bad = tokens(2, 8)
+    bad[1, 3] = VOCAB
+    with pytest.raises(ValueError, match=rf"token ids must be in \[0, {VOCAB}\)"):
+        model(bad)
+    bad[1, 3] = -1
+    with pytest.raises(ValueError, match="got ids in \\[-1,"):
+        model(bad)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    x = tokens(2, 8)
+    assert torch.equal(compiled(x), model(x))
