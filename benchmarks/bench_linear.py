@@ -30,6 +30,7 @@ to --out (JSONL, default runs/bench/bench_linear.jsonl), each with the environme
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -72,16 +73,35 @@ ADAHOP_MODES = {  # a typical calibrated layer (activations col-wise, gradients 
 GRADS = "fresh"
 
 
-def make_layer(recipe, N, K, backend):
-    """BF16 ``nn.Linear`` ("bf16_nn") or an AdaHOPLinear of ``recipe`` on ``backend``, no bias."""
+def make_layer(recipe, N, K, backend, modes=None):
+    """BF16 ``nn.Linear`` ("bf16_nn") or an AdaHOPLinear of ``recipe`` on ``backend``, no bias,
+    frozen to ``modes`` (default for an adaptive recipe: ``ADAHOP_MODES``)."""
     lin = torch.nn.Linear(K, N, bias=False, device=common.DEVICE)
     if recipe == "bf16_nn":
         return lin
     cfg = adahop.AdaHOPConfig.from_recipe_name(recipe, backend=backend)
     layer = adahop.AdaHOPLinear.from_float(lin, config=cfg, name="bench")
-    if layer.calibrating:
+    if modes is not None:
+        layer.set_modes(modes)
+    elif layer.calibrating:
         layer.set_modes(ADAHOP_MODES[recipe])
     return layer
+
+
+def trained_modes(path) -> list[tuple[dict, int]]:
+    """The distinct (fprop, dgrad, wgrad) modes of a trained run's modes.json, most layers first,
+    with how many layers run each: what a calibrated model runs, beside the fixed ADAHOP_MODES."""
+    with open(path) as f:
+        modes = json.load(f)
+    if not isinstance(modes, dict) or not modes:
+        raise ValueError(f"{path}: expected a modes.json of adahop train ({{layer: {{fprop, dgrad, wgrad}}}})")
+    counts: dict[tuple, int] = {}
+    for layer, entry in modes.items():
+        if not isinstance(entry, dict) or not all(g in entry for g in ("fprop", "dgrad", "wgrad")):
+            raise ValueError(f"{path}: layer {layer!r} has no fprop/dgrad/wgrad modes (a calibrated run's file?)")
+        key = (entry["fprop"], entry["dgrad"], entry["wgrad"])
+        counts[key] = counts.get(key, 0) + 1
+    return [(dict(zip(("fprop", "dgrad", "wgrad"), k)), n) for k, n in sorted(counts.items(), key=lambda kv: -kv[1])]
 
 
 def fwd_bwd_fn(layer, x, g):
@@ -106,7 +126,11 @@ def linear_inputs(N, K):
 
 
 # ---- linear / torchao: paired against BF16 ------------------------------------------------------------
-def section_linear(recipes, shapes, with_reference, with_torchao, pairs=3, rep=100) -> list[dict]:
+def section_linear(recipes, shapes, with_reference, with_torchao, pairs=3, rep=100, modes_from=None) -> list[dict]:
+    """Each recipe paired against BF16 per shape; with ``modes_from`` (a trained run's modes.json)
+    also every distinct mode triple it holds, as ``trained:fprop/dgrad/wgrad`` (adahop_lv2's
+    settings, the layers running it in ``trained_layers``)."""
+    trained = trained_modes(modes_from) if modes_from else []
     rows = []
     for N, K in shapes:
         x, g = linear_inputs(N, K)
@@ -120,6 +144,10 @@ def section_linear(recipes, shapes, with_reference, with_torchao, pairs=3, rep=1
 
         for recipe in recipes:
             timed(recipe, make_layer(recipe, N, K, BACKEND))
+        for modes, n_layers in trained:
+            name = "trained:" + "/".join(modes[g] for g in ("fprop", "dgrad", "wgrad"))
+            timed(name, make_layer("adahop_lv2", N, K, BACKEND, modes=modes))
+            row.setdefault("trained_layers", {})[name] = n_layers
         if with_reference:
             timed("mxfp4_reference_emulation", make_layer("mxfp4", N, K, "reference"), rep=rep * 3 // 5)
         if with_torchao:
@@ -252,7 +280,7 @@ def section_memory(recipes) -> list[dict]:
 def run_section(name: str, args) -> list[dict]:
     if name == "linear":
         return section_linear(args.recipes, args.shapes, with_reference=not args.no_emulation, with_torchao=False,
-                              pairs=args.pairs, rep=args.rep)
+                              pairs=args.pairs, rep=args.rep, modes_from=args.modes_from)
     if name == "torchao":  # the AdaHOP recipes again in the same rows: one BF16 baseline for all
         return section_linear(args.recipes, [SINGLE_SHAPE], with_reference=False, with_torchao=True,
                               pairs=args.pairs, rep=args.rep)
@@ -287,6 +315,9 @@ def parse_args(argv=None):
                    help="do_bench's time budget per timing, ms, in linear, torchao and graph (the reference "
                         "emulation gets 3/5 of it) (default: %(default)s)")
     p.add_argument("--no-emulation", action="store_true", help="skip the reference-backend timing in linear")
+    p.add_argument("--modes-from", default=None, metavar="MODES_JSON",
+                   help="a trained run's modes.json: linear also times each distinct mode triple it holds "
+                        "(what a calibrated model runs), beside --recipes")
     p.add_argument("--out", default=str(default_out("bench_linear")),
                    help="JSONL file the rows are appended to (default: %(default)s)")
     args = p.parse_args(argv)
@@ -298,6 +329,11 @@ def parse_args(argv=None):
                 f"got {unknown or args.recipes}")
     if args.pairs < 1 or args.rep < 1:
         p.error("--pairs and --rep must be >= 1")
+    if args.modes_from:
+        try:
+            trained_modes(args.modes_from)
+        except (OSError, ValueError) as e:
+            p.error(f"--modes-from: {e}")
     try:
         args.sections = parse_sections(args.sections, SECTIONS)
         args.shapes = parse_shapes(args.shapes)

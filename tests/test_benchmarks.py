@@ -175,6 +175,28 @@ def test_bench_linear_sections_on_cpu(on_cpu, tmp_path, monkeypatch):
 
 
 @needs_interpreter
+def test_bench_linear_times_the_modes_a_trained_run_holds(on_cpu, tmp_path, monkeypatch):
+    """--modes-from: each distinct mode triple of a modes.json is timed beside the recipes, with
+    how many layers run it; a file that is not a modes.json is refused before any work."""
+    bl = script("bench_linear")
+    monkeypatch.setattr(bl, "T", 128)
+    modes = {f"layers.{i}.{w}": {"fprop": "iht", "dgrad": "iht", "wgrad": "bf16" if w == "wk" else "iht+oe_right"}
+             for i in range(2) for w in ("wq", "wk", "wv")}
+    (tmp_path / "modes.json").write_text(json.dumps(modes))
+    assert [n for _, n in bl.trained_modes(tmp_path / "modes.json")] == [4, 2]
+    out = tmp_path / "linear.jsonl"
+    assert bl.main(["--sections", "linear", "--recipes", "mxfp4", "--shapes", "96,64", "--pairs", "1", "--rep", "50",
+                    "--no-emulation", "--modes-from", str(tmp_path / "modes.json"), "--out", str(out)]) == 0
+    lin = rows_of(out)[0]
+    assert set(lin["speedup_vs_bf16"]) == {"mxfp4", "trained:iht/iht/iht+oe_right", "trained:iht/iht/bf16"}
+    assert lin["trained_layers"] == {"trained:iht/iht/iht+oe_right": 4, "trained:iht/iht/bf16": 2}
+    (tmp_path / "bad.json").write_text(json.dumps({"layers.0.wq": {"fprop": "iht"}}))
+    with pytest.raises(SystemExit) as e:
+        bl.main(["--modes-from", str(tmp_path / "bad.json")])
+    assert e.value.code == 2
+
+
+@needs_interpreter
 def test_bench_kernels_sections_on_cpu(on_cpu, tmp_path, monkeypatch):
     bk = script("bench_kernels")
     monkeypatch.setattr(bk, "COPY_BYTES", 4096)
