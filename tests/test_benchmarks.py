@@ -175,6 +175,7 @@ def test_bench_linear_sections_on_cpu(on_cpu, tmp_path, monkeypatch):
 
 
 @needs_interpreter
+@CLAMPED_OE
 def test_bench_linear_times_the_modes_a_trained_run_holds(on_cpu, tmp_path, monkeypatch):
     """--modes-from: each distinct mode triple of a modes.json is timed beside the recipes, with
     how many layers run it; a file that is not a modes.json is refused before any work."""
