@@ -73,3 +73,23 @@ def test_misaligned_operand_gets_its_own_kernel():
         ref = quantize_operand(x, 1, OperandSpec(hadamard_size=32))
         assert torch.equal(got["mx"].codes, ref.codes) and torch.equal(got["mx"].scale_e8m0, ref.scale_e8m0)
     assert _QUANTIZE.fast_launches > 0
+
+
+def test_other_triton_versions_take_tritons_own_launch_path(monkeypatch):
+    """The fast path calls Triton 3.6's launch internals: on any other version every launch goes
+    through ``kernel[grid]`` (the same results, the host cost of Triton's path)."""
+    import adahop.kernels.launch as launch_mod
+
+    calls = []
+
+    class Kernel:  # stands in for a JITFunction: its params and its own launch
+        params = [type("P", (), {"is_constexpr": c, "name": n})() for n, c in (("x", False), ("B", True))]
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append((grid, a, kw)) or "launched"
+
+    monkeypatch.setattr(launch_mod, "FAST_PATH", False)
+    fast = FastLauncher(Kernel())
+    x = torch.zeros(4)
+    assert fast[(1,)](x, B=4) == "launched" and fast[(2,)](x, B=4) == "launched"
+    assert len(calls) == 2 and fast.fast_launches == 0 and not fast.compiled

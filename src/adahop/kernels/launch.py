@@ -20,7 +20,9 @@ to its launcher. Since the key distinguishes everything Triton's does, a kept ke
 Triton would have picked.
 
 It falls back to Triton's path under the interpreter (``TRITON_INTERPRET=1``: no compiled
-kernel), when a launch hook is installed (profilers), and for arguments of other kinds.
+kernel), when a launch hook is installed (profilers), for arguments of other kinds, and on any
+Triton but the minor version it was written and tested against (``TESTED_TRITON``): the compiled
+kernel's ``run`` signature and the launch-hook knobs are Triton's internals, not its API.
 Measured on the H200 at the (2048, 768) layer above: enqueueing its forward + backward takes
 3.02 ms without it and 2.16 ms with it and one launch fewer (a single chunk for rows up to
 2,048), the two measured together.
@@ -31,10 +33,12 @@ from __future__ import annotations
 import os
 
 import torch
-from triton import knobs
+import triton
 from triton.runtime import driver
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as triton.jit does
+TESTED_TRITON = (3, 6)  # the minor version whose launch internals the fast path calls
+FAST_PATH = tuple(int(v) for v in triton.__version__.split(".")[:2]) == TESTED_TRITON
 _INT32 = (-(2**31), 2**31)
 _DUMMY: dict = {}
 
@@ -78,6 +82,8 @@ def dummy_pointer(device: torch.device) -> torch.Tensor:
 def _launch_hooks_installed() -> bool:
     """Whether a launch hook (a profiler's) is registered: Triton 3.6 keeps them in a chain
     object that is never None, empty when there are none."""
+    from triton import knobs
+
     hook = knobs.runtime.launch_enter_hook
     return hook is not None and bool(getattr(hook, "calls", True))
 
@@ -103,7 +109,7 @@ class FastLauncher:
         return lambda *args, **kw: self.launch(grid, args, kw)
 
     def launch(self, grid, args, kw):
-        if len(args) != self.n_runtime or _launch_hooks_installed():
+        if not FAST_PATH or len(args) != self.n_runtime or _launch_hooks_installed():
             return self.fn[grid](*args, **kw)
         arg_keys = tuple(map(_arg_key, args))
         if None in arg_keys:
