@@ -32,12 +32,7 @@ again, because llama.cpp's ``llama`` RoPE rotates adjacent pairs too. Hence:
 * Hugging Face ``q_proj`` / ``k_proj`` get llama.cpp's permutation (:func:`hf_to_interleaved`):
   within each head, row ``2i + c`` of adahop's weight is row ``c * d/2 + i`` of HF's.
 
-Checked (tests/test_pretrained.py): SmolLM2 loaded here has a perplexity near 12 on an
-encyclopedia-style paragraph (with the q/k rows permuted the other way it is several times
-higher) and completes "The capital of France is" with " Paris"; a random Hugging Face checkpoint
-gives the logits of an independent rotate-half reference forward (and of ``transformers``' own
-``LlamaForCausalLM`` where that is installed), and the same weights written as a GGUF in
-llama.cpp's layout load to the same model.
+What is checked, and how well it agrees: docs/training.md, 'Pretrained models'.
 """
 
 from __future__ import annotations
