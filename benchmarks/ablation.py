@@ -71,9 +71,11 @@ VARIANTS = {
     "lv2_signs": lambda: _lv2_settings(random_signs=True),  # random-sign Hadamard (Tseng et al.)
     "lv2_signs_grad_rne": lambda: _lv2_grad_rne(random_signs=True),
 }
-# Variants whose last fraction of the steps runs every GEMM in BF16 (the higher-precision final
-# phase of Chmiel et al., "FP4 All the Way", 2025): does the end of training repair the gap?
-BF16_TAIL = {"lv2_bf16_tail": 0.1, "lv2_bf16_tail25": 0.25}
+# Variants with a BF16 phase (TrainConfig.bf16_phase_start / _gemms, train/precision.py): the
+# last fraction of the steps runs the listed GEMMs in BF16 (the higher-precision final phase of
+# Chmiel et al., "FP4 All the Way", 2025; NVIDIA's NVFP4 recipe switches the forward alone).
+BF16_TAIL = {"lv2_bf16_tail": (0.1, GEMMS), "lv2_bf16_tail25": (0.25, GEMMS),
+             "lv2_bf16_fprop_tail": (0.18, ("fprop",))}
 VARIANTS.update({name: VARIANTS["lv2"] for name in BF16_TAIL})  # lv2 until the tail
 
 
@@ -95,6 +97,9 @@ def run_one(args, name: str, seed: int, env: dict) -> None:
                      progress=False, compile=args.compile)
     base = preset(args.preset, **overrides).adahop
     # train() converts the model with cfg.adahop: the variant's numerics, set as a whole
+    if name in BF16_TAIL:
+        tail, gemms = BF16_TAIL[name]
+        overrides.update(bf16_phase_start=1 - tail, bf16_phase_gemms=gemms)
     cfg = preset(args.preset, adahop=variant_config(name, base, seed), **overrides)
     corpus = load_corpus(cfg.corpus_dir)
     model, batches = open_run(cfg, corpus)
@@ -102,15 +107,7 @@ def run_one(args, name: str, seed: int, env: dict) -> None:
     def eval_fn(m):
         return heldout_eval(m, corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size, max_batches=cfg.eval_batches)
 
-    switch_at = cfg.steps - round(BF16_TAIL[name] * cfg.steps) if name in BF16_TAIL else None
-
-    def to_bf16_at_switch(step, m):
-        if step == switch_at:
-            for layer in adahop.adahop_layers(m).values():
-                layer.set_modes({gemm: "bf16" for gemm in GEMMS})
-
-    summary = train(cfg, model=model, train_batches=batches, eval_fn=eval_fn,
-                    on_step=to_bf16_at_switch if switch_at is not None else None)
+    summary = train(cfg, model=model, train_batches=batches, eval_fn=eval_fn)
     result = {"variant": name, "seed": seed, "steps": summary["steps"], "heldout_loss": summary["final_eval"]["loss"],
               "last_train_losses": summary["losses"][-50:], "tokens_per_s": summary["tokens_per_s"],
               "peak_memory_bytes": summary["peak_memory_bytes"], "compile": cfg.compile, "env": env}

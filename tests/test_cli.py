@@ -337,3 +337,21 @@ def test_every_option_has_help_and_the_version_and_sources_show():
     with pytest.raises(SystemExit) as e:
         cli.main(["--version"])
     assert e.value.code == 0
+
+
+def test_bf16_blocks_and_phase_reach_the_run(corpus, tmp_path, capsys):
+    run = tmp_path / "sched"
+    assert cli.main(train_args(corpus, run, steps=6) + ["--calibration-steps", "2", "--bf16-blocks", "0,1",
+                                                        "--bf16-phase", "0.5:fprop,wgrad"]) == 0
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["bf16_blocks"] == [0, 1] and cfg["bf16_phase_start"] == 0.5
+    assert cfg["bf16_phase_gemms"] == ["fprop", "wgrad"]
+    modes = json.loads((run / "modes.json").read_text())
+    assert modes and all(m["fprop"] == m["wgrad"] == "bf16" for m in modes.values())
+    assert not any(fqn.startswith("layers.1.") for fqn in modes)  # the debug model's 2 blocks: the last one BF16
+    assert cli.main(train_args(corpus, tmp_path / "x", steps=6) + ["--bf16-phase", "0.5:forward"]) == 2
+    one_line_error(capsys, "bf16_phase_gemms must be")
+    assert cli.main(train_args(corpus, tmp_path / "x", steps=6) + ["--bf16-phase", "1.5"]) == 2
+    one_line_error(capsys, "bf16_phase_start must be")
+    with pytest.raises(SystemExit):
+        cli.main(train_args(corpus, tmp_path / "x") + ["--bf16-blocks", "1"])

@@ -53,8 +53,11 @@ def train_config(args):
                  corpus_dir=str(Path(args.corpus).resolve()),  # absolute: eval and compare run from anywhere
                  model_size=args.model_size, device=args.device,
                  seq_len=args.seq_len, oe_k=args.oe_k, calibration_steps=args.calibration_steps,
-                 backend=args.backend, progress=not args.no_progress, compile=args.compile or None)
-    cfg.validate()
+                 backend=args.backend, progress=not args.no_progress, compile=args.compile or None,
+                 bf16_blocks=args.bf16_blocks,
+                 bf16_phase_start=args.bf16_phase[0] if args.bf16_phase else None,
+                 bf16_phase_gemms=args.bf16_phase[1] if args.bf16_phase else None)
+    cfg.validate()  # the fraction and the GEMM names are checked here, with the calibration length
     return cfg
 
 
@@ -240,6 +243,27 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _bf16_blocks(text: str) -> tuple[int, int]:
+    try:
+        first, last = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FIRST,LAST (two ints >= 0), got {text!r}") from None
+    if first < 0 or last < 0:
+        raise argparse.ArgumentTypeError(f"expected FIRST,LAST (two ints >= 0), got {text!r}")
+    return first, last
+
+
+def _bf16_phase(text: str) -> tuple[float, tuple[str, ...]]:
+    start, _, gemms = text.partition(":")
+    try:
+        fraction = float(start)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected START[:GEMMS] with START a fraction in (0, 1), got {text!r}") from None
+    names = tuple(g for g in gemms.split(",") if g) if gemms else ("fprop", "dgrad", "wgrad")
+    return fraction, names
+
+
 def _add_train_args(p):
     from adahop.config import BACKEND_CHOICES
     from adahop.train.model import SIZES
@@ -262,6 +286,11 @@ def _add_train_args(p):
     g.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--oe-k", type=int, help="slices outlier extraction computes in high precision, per GEMM")
     g.add_argument("--calibration-steps", type=int, help="BF16 steps that classify the outlier patterns")
+    g.add_argument("--bf16-blocks", type=_bf16_blocks, metavar="FIRST,LAST",
+                   help="keep the linears of the first FIRST and the last LAST transformer blocks in BF16")
+    g.add_argument("--bf16-phase", type=_bf16_phase, metavar="START[:GEMMS]",
+                   help="after the fraction START of the steps, run GEMMS (comma-separated of fprop, dgrad, "
+                        "wgrad; default all three) in BF16 to the end, e.g. 0.9:fprop")
     g.add_argument("--backend", choices=BACKEND_CHOICES,
                    help="where the MXFP4 GEMMs run (default auto: the fastest this device has; "
                         "reference: dequantize + matmul, the numerics' definition, on any device)")

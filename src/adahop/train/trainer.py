@@ -31,6 +31,14 @@ from adahop.train.checkpoint import (
     set_rng_state,
 )
 from adahop.train.compile import compile_blocks
+from adahop.train.precision import (
+    apply_bf16_phase,
+    block_filter,
+    check_bf16_blocks,
+    check_bf16_phase,
+    phase_switch_step,
+    validate_schedule,
+)
 from adahop.train.run_folder import RunLock, ensure_writable_dir
 from adahop.train.run_log import LOG_NAME, JsonlLog
 
@@ -60,6 +68,10 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
+    # where and when the run leaves MXFP4 (train/precision.py)
+    bf16_blocks: tuple[int, int] = (0, 0)  # the first and last blocks' linears stay BF16
+    bf16_phase_start: float | None = None  # fraction of the steps after which bf16_phase_gemms run BF16
+    bf16_phase_gemms: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
     # machinery
     seed: int = 0  # model initialisation and data order (the SR streams follow adahop.seed)
     device: str = "auto"
@@ -103,6 +115,9 @@ class TrainConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown TrainConfig fields {unknown}")
+        for name in ("bf16_blocks", "bf16_phase_gemms"):  # JSON lists back to tuples
+            if isinstance(d.get(name), list):
+                d[name] = tuple(d[name])
         return cls(**d)
 
     def validate(self) -> None:
@@ -127,6 +142,10 @@ class TrainConfig:
             raise ValueError(f"compile must be a bool, got {self.compile!r}")
         if self.autocast not in ("auto", "bf16", "none"):
             raise ValueError(f"autocast must be 'auto', 'bf16' or 'none', got {self.autocast!r}")
+        check_bf16_blocks(self.bf16_blocks)
+        check_bf16_phase(self.bf16_phase_start, self.bf16_phase_gemms)
+        validate_schedule(self.steps, self.grad_accum, self.bf16_phase_start,
+                          self.adahop.calibration_steps if self.adahop.adaptive else None)
         device = resolve_device(self.device)
         # The backend is first asked for at the first MXFP4 step, after the BF16 calibration:
         # one that cannot run on this device is refused here, before any work.
@@ -267,7 +286,8 @@ def _train(cfg, out, *, model, train_batches, eval_fn, resume, stop_after, on_st
     torch.manual_seed(cfg.seed)
 
     if not adahop.adahop_layers(model):
-        adahop.convert_to_adahop_training(model, config=cfg.adahop)
+        adahop.convert_to_adahop_training(model, config=cfg.adahop,
+                                          module_filter_fn=block_filter(model, cfg.bf16_blocks))
     model.to(device).train()
     if cfg.compile:
         compile_blocks(model)
@@ -325,8 +345,15 @@ def _train(cfg, out, *, model, train_batches, eval_fn, resume, stop_after, on_st
         t_window = time.perf_counter()
 
     stop = False
+    switch_step = phase_switch_step(cfg.steps, cfg.bf16_phase_start)
     try:
         while step < cfg.steps:
+            if switch_step is not None and step >= switch_step and cfg.recipe != "bf16":
+                changed = apply_bf16_phase(model, cfg.bf16_phase_gemms)
+                if changed:  # not again on a resume after the switch: the modes are in the checkpoint
+                    flush()  # the earlier steps' records first (one sync, once per run)
+                    log.write({"step": step, "bf16_phase": {"gemms": list(cfg.bf16_phase_gemms),
+                                                            "layers": len(changed)}})
             lr = lr_at(step, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr
