@@ -258,7 +258,7 @@ def test_an_hf_style_module_and_its_kv_projections():
     assert [la["name"] for la in st["layers"]] == [f"layers.{b}.self_attn.{p}_proj" for b in (0, 1) for p in "qkv"]
     assert [la["block"] for la in st["layers"]] == [0, 0, 0, 1, 1, 1]
     kv = next(o for o in st["summary"]["observations"] if o["id"] == "kv_g_row")
-    assert "of 4 K/V projections" in kv["evidence"]
+    assert "of 4 K/V projections" in kv["evidence"] and "k_proj" in kv["evidence"] and "v_proj" in kv["evidence"]
     assert validate(json.loads(json.dumps(adahop.analyze.report.json_ready(st)))) == []
 
 

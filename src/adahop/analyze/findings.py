@@ -185,8 +185,13 @@ def _observations(study: dict, pats: dict, stab: dict, iht: dict | None) -> list
     kv = [la for la in layers if is_kv(la)]
     if kv:
         kv_row = sum(la["tensors"]["g"]["pattern"] == "row" for la in kv)
+        per_kind = {}
+        for la in kv:
+            n_row, n_all = per_kind.get(la["kind"], (0, 0))
+            per_kind[la["kind"]] = (n_row + (la["tensors"]["g"]["pattern"] == "row"), n_all + 1)
         add("kv_g_row", "K/V projection gradients are row-wise", kv_row / len(kv) > 0.5,
-            f"G is row-wise in {kv_row} of {len(kv)} K/V projections ({_fmt(kv_row / len(kv))})",
+            f"G is row-wise in {kv_row} of {len(kv)} K/V projections ({_fmt(kv_row / len(kv))}: "
+            + ", ".join(f"{kind.rsplit('.', 1)[-1]} {r} of {n}" for kind, (r, n) in per_kind.items()) + ")",
             share=kv_row / len(kv))
     else:
         add("kv_g_row", "K/V projection gradients are row-wise", None, "no K/V projection among the layers",

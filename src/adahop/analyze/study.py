@@ -154,13 +154,18 @@ def run_study(model: nn.Module, batches: Iterable, *, steps: int = DEFAULT_STEPS
                     skipped[name] = f"step {step}: {reason}" if step else reason
             t0 = time.perf_counter()
             live = [n for n in records if n in captured and n not in skipped]
+            shared: dict = {}  # one input read by several layers (wq, wk, wv): its statistics once
             for name in live:
                 rec, c = records[name], captured[name]
                 rec.tokens = rec.tokens or c.x_TK.shape[0]
                 for role, t in (("x", c.x_TK), ("w", c.w_NK), ("g", c.g_TN)):
-                    # no optimizer step: the weight, and so its statistics, are those of the first step
-                    s = dict(rec.steps["w"][0]) if role == "w" and rec.steps["w"] else tensor_stats(
-                        t, tau=tau, k=policy_oe_k)
+                    if role == "w" and rec.steps["w"]:  # no optimizer step: the first step's weight
+                        s = dict(rec.steps["w"][0])
+                    else:
+                        key = (t.data_ptr(), tuple(t.shape), t.stride())
+                        if key not in shared:
+                            shared[key] = tensor_stats(t, tau=tau, k=policy_oe_k)
+                        s = dict(shared[key])
                     rec.steps[role].append(s)
                     rec.calibration.add(role, TensorObservation(
                         s["pattern"], s["cv_row"], s["cv_col"], s["row_energy_topk"], s["col_energy_topk"]))
