@@ -228,9 +228,10 @@ def run_analyze(args) -> dict:
     for o in sm["observations"]:
         print(f"- {o['claim']}: {({True: 'yes', False: 'no', None: 'cannot tell'})[o['holds']]} ({o['evidence']})")
     for name, p in sm["policies"].items():
-        if p["mean_sqnr_db"] is not None:
-            print(f"- {name}: mean SQNR {p['mean_sqnr_db']:.2f} dB (ceiling {p['ceiling_mean_sqnr_db']:.2f}), best "
-                  f"pick in {p['best_share']:.0%} of GEMMs, {p['hp_flop_share']:.2%} of FLOPs in BF16")
+        if p["fp4_mean_sqnr_db"] is not None:
+            print(f"- {name}: {p['measured_gemms'] - p['fp4_gemms']} GEMMs in BF16, its 4-bit picks "
+                  f"{p['fp4_mean_sqnr_db']:.2f} dB against a ceiling of {p['fp4_ceiling_mean_sqnr_db']:.2f} dB, the "
+                  f"best pick in {p['best_share']:.0%} of GEMMs, {p['hp_flop_share']:.2%} of FLOPs in BF16")
     print(f"report: {out}/summary.md")
     return study
 

@@ -47,7 +47,8 @@ def write_report(study: dict, out) -> Path:
     """Write the report folder ``out`` (see the module doc). Returns the folder."""
     out = check_out_dir(out)
     study = json_ready(study)
-    atomic_write_bytes(out / "study.json", json.dumps(study, indent=1, allow_nan=False).encode())
+    # compact: the study of a 135M model is 1.7 MB this way, 2.5 MB indented
+    atomic_write_bytes(out / "study.json", json.dumps(study, separators=(",", ":"), allow_nan=False).encode())
     atomic_write_bytes(out / "schema.json", json.dumps(SCHEMA, indent=1).encode())
     atomic_write_bytes(out / "summary.md", summary_markdown(study).encode())
     write_figures(study, out)
