@@ -277,6 +277,20 @@ def test_gemm_errors_sees_the_planted_outer_dim_outliers():
     assert e.hp_share["iht+oe_right@2"] == 2 / 96 and e.hp_share["bf16"] == 1.0
 
 
+def test_patterns_only_and_the_scale_of_g(tmp_path):
+    """sqnr_steps=0 records patterns only, and the report still validates. A loss scaled by 1e-12
+    makes G so small that the detector's absolute 1e-8 hides its row outliers; the label at unit
+    RMS still sees them, and the report counts the disagreement."""
+    st = run_study(Planted(), planted_batches(1), steps=1, sqnr_steps=0, out=tmp_path, progress=False,
+                   loss_fn=lambda m, b: weighted_loss(m, b) * 1e-12)
+    assert validate(json.loads((tmp_path / "study.json").read_text())) == []
+    g = layer(st, "fc2")["tensors"]["g"]["steps"][0]
+    assert (g["pattern"], g["pattern_unit_rms"]) == ("none", "row")
+    assert st["summary"]["stability"]["g"]["unit_rms_disagreements"] == 2
+    assert st["summary"]["measured_gemms"] == 0 and "sqnr_db" not in layer(st, "fc1")["gemms"]["fprop"]
+    assert "No GEMM was multiplied" in (tmp_path / "summary.md").read_text()
+
+
 def test_bad_models_give_clear_errors():
     with pytest.raises(ValueError, match="has no nn.Linear layers"):
         run_study(nn.Sequential(nn.ReLU()), [], progress=False)

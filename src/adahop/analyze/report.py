@@ -210,8 +210,9 @@ def _every_layer(study: dict) -> list[str]:
 
 def summary_markdown(study: dict) -> str:
     sm = study["summary"]
-    parts = [_header(study), [""], _observations(sm), [""], _policies(study), [""], _mode_table(study), [""],
-             _by_pair(study), [""], _stability(study), [""]]
+    sections = [_header(study), _observations(sm), _policies(study), _mode_table(study), _by_pair(study),
+                _stability(study)]
+    parts = [section + [""] for section in sections if section]
     skipped = study["skipped"]
     parts.append(["## Layers left out", ""] + ([f"- `{s['name']}`: {s['reason']}" for s in skipped] or ["None."])
                  + [""])
