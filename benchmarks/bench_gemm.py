@@ -17,24 +17,21 @@ Rows go to --out (JSONL, default runs/bench/bench_gemm.jsonl), each with the env
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 from common import (
-    LLAMA_SHAPES,
+    SHAPES_HELP,
     Results,
     T,
     activation,
+    add_out_arg,
     bench,
-    default_out,
-    environment,
-    parse_sections,
-    parse_shapes,
-    print_environment,
+    parse_sections_and_shapes,
     rel,
-    require_cuda,
     run_sections,
+    script_parser,
+    start,
 )
 
 from adahop.formats.mxfp4 import dequantize_mxfp4
@@ -96,30 +93,20 @@ def section_mx() -> list[dict]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p = script_parser(__doc__)
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"comma-separated sections to run, in order (default: {','.join(SECTIONS)})")
     p.add_argument("--shapes", default="all",
-                   help="layers (N,K) that 'gemm' times at T = 16384 after 8192^3: 'all' (Llama-3-8B's four: "
-                        f"{'/'.join(f'{n},{k}' for n, k in LLAMA_SHAPES)}) or N,K pairs joined by '/'")
-    p.add_argument("--out", default=str(default_out("bench_gemm")),
-                   help="JSONL file the rows are appended to (default: %(default)s)")
+                   help=f"layers (N,K) that 'gemm' times at T = 16384 after 8192^3: {SHAPES_HELP}")
+    add_out_arg(p, "bench_gemm")
     args = p.parse_args(argv)
-    try:
-        args.sections = parse_sections(args.sections, SECTIONS)
-        args.shapes = parse_shapes(args.shapes)
-    except ValueError as e:
-        p.error(str(e))
+    parse_sections_and_shapes(p, args, SECTIONS)
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    require_cuda("bench_gemm.py")
-    env = environment("bench_gemm.py", argv)
-    print_environment(env)
+    env = start("bench_gemm.py", argv)
 
     def run(name):
         return section_gemm(args.shapes) if name == "gemm" else section_mx()

@@ -24,25 +24,22 @@ kernels these numbers shaped.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import common
 import torch
 from common import (
-    LLAMA_SHAPES,
+    SHAPES_HELP,
     Results,
     T,
     activation,
+    add_out_arg,
     bench,
-    default_out,
-    environment,
-    parse_sections,
-    parse_shapes,
-    print_environment,
-    require_cuda,
+    parse_sections_and_shapes,
     run_sections,
     same_bits,
+    script_parser,
+    start,
 )
 
 from adahop.kernels.quantize import quantize_operand_triton
@@ -300,30 +297,20 @@ def run_section(name: str, shapes) -> list[dict]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p = script_parser(__doc__)
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"comma-separated sections to run, in order (default: all, {','.join(SECTIONS)})")
     p.add_argument("--shapes", default="all",
-                   help="layers (N,K) for 'single' and 'oe': 'all' (Llama-3-8B's four: "
-                        f"{'/'.join(f'{n},{k}' for n, k in LLAMA_SHAPES)}) or N,K pairs joined by '/'")
-    p.add_argument("--out", default=str(default_out("bench_kernels")),
-                   help="JSONL file the rows are appended to (default: %(default)s)")
+                   help=f"layers (N,K) for 'single' and 'oe': {SHAPES_HELP}")
+    add_out_arg(p, "bench_kernels")
     args = p.parse_args(argv)
-    try:
-        args.sections = parse_sections(args.sections, SECTIONS)
-        args.shapes = parse_shapes(args.shapes)
-    except ValueError as e:
-        p.error(str(e))
+    parse_sections_and_shapes(p, args, SECTIONS)
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    require_cuda("bench_kernels.py")
-    env = environment("bench_kernels.py", argv)
-    print_environment(env)
+    env = start("bench_kernels.py", argv)
     results = Results(args.out, "bench_kernels", env)
     return run_sections(args.sections, lambda name: run_section(name, args.shapes), results)
 

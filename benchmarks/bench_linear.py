@@ -29,7 +29,6 @@ to --out (JSONL, default runs/bench/bench_linear.jsonl), each with the environme
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -38,19 +37,17 @@ import time
 import common
 import torch
 from common import (
-    LLAMA_SHAPES,
+    SHAPES_HELP,
     Results,
     T,
     activation,
+    add_out_arg,
     bench,
-    default_out,
-    environment,
     paired_speedup,
-    parse_sections,
-    parse_shapes,
-    print_environment,
-    require_cuda,
+    parse_sections_and_shapes,
     run_sections,
+    script_parser,
+    start,
 )
 
 import adahop
@@ -295,17 +292,14 @@ def run_section(name: str, args) -> list[dict]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p = script_parser(__doc__)
     p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
                    help=f"comma-separated sections to run, in order, of {','.join(SECTIONS)} "
                         "(default: %(default)s)")
     p.add_argument("--recipes", default=",".join(DEFAULT_RECIPES),
                    help="comma-separated AdaHOP recipes for linear, torchao and graph (default: %(default)s)")
     p.add_argument("--shapes", default="all",
-                   help="layers (N,K) for linear and graph (and profile, when given): 'all' (Llama-3-8B's four: "
-                        f"{'/'.join(f'{n},{k}' for n, k in LLAMA_SHAPES)}) or N,K pairs joined by '/'")
+                   help=f"layers (N,K) for linear and graph (and profile, when given): {SHAPES_HELP}")
     p.add_argument("--pairs", type=int, default=3,
                    help="alternating BF16 / recipe timings per ratio in linear and torchao (default: %(default)s)")
     p.add_argument("--grads", choices=("fresh", "accumulate"), default="fresh",
@@ -318,8 +312,7 @@ def parse_args(argv=None):
     p.add_argument("--modes-from", default=None, metavar="MODES_JSON",
                    help="a trained run's modes.json: linear also times each distinct mode triple it holds "
                         "(what a calibrated model runs), beside --recipes")
-    p.add_argument("--out", default=str(default_out("bench_linear")),
-                   help="JSONL file the rows are appended to (default: %(default)s)")
+    add_out_arg(p, "bench_linear")
     args = p.parse_args(argv)
     args.shapes_given = args.shapes
     args.recipes = [r for r in args.recipes.split(",") if r]
@@ -334,21 +327,15 @@ def parse_args(argv=None):
             trained_modes(args.modes_from)
         except (OSError, ValueError) as e:
             p.error(f"--modes-from: {e}")
-    try:
-        args.sections = parse_sections(args.sections, SECTIONS)
-        args.shapes = parse_shapes(args.shapes)
-    except ValueError as e:
-        p.error(str(e))
+    parse_sections_and_shapes(p, args, SECTIONS)
     return args
 
 
 def main(argv=None) -> int:
     global GRADS
     args = parse_args(argv)
-    require_cuda("bench_linear.py")
+    env = start("bench_linear.py", argv)
     GRADS = args.grads
-    env = environment("bench_linear.py", argv)
-    print_environment(env)
     return run_sections(args.sections, lambda name: run_section(name, args), Results(args.out, "bench_linear", env))
 
 

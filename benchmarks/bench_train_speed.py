@@ -41,7 +41,7 @@ import uuid
 from pathlib import Path
 
 import torch
-from common import default_out, environment, print_environment
+from common import default_out, environment, print_environment, script_parser
 
 import adahop
 
@@ -210,9 +210,7 @@ def parse_args(argv=None):
     from adahop.train.model import SIZES
     from adahop.train.recipes import PRESETS
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p = script_parser(__doc__)
     g = p.add_argument_group("what")
     g.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES), choices=list(adahop.RECIPES),
                    help="recipes timed between the two bf16 runs (default: %(default)s)")

@@ -21,7 +21,6 @@ fails.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import common
@@ -29,12 +28,14 @@ import torch
 from common import (
     Results,
     activation,
-    default_out,
+    add_out_arg,
     environment,
+    parse_sections_and_shapes,
     print_environment,
     rel,
     require_cuda,
     run_sections,
+    script_parser,
 )
 
 import adahop
@@ -157,18 +158,13 @@ def run_section(name: str) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p = script_parser(__doc__)
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"comma-separated parts to run (default: {','.join(SECTIONS)})")
-    p.add_argument("--out", default=str(default_out("check_hopper")),
-                   help="JSONL file the rows are appended to (default: %(default)s)")
+    add_out_arg(p, "check_hopper")
     args = p.parse_args(argv)
-    try:
-        sections = common.parse_sections(args.sections, SECTIONS)
-    except ValueError as e:
-        p.error(str(e))
+    parse_sections_and_shapes(p, args, SECTIONS)
+    sections = args.sections
     require_fp8_gpu()
     env = environment("check_hopper.py", argv)
     print_environment(env)

@@ -19,6 +19,7 @@ the sections at tiny sizes under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -151,6 +152,42 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # ---- arguments and results -----------------------------------------------------------------------------
+SHAPES_HELP = ("'all' (Llama-3-8B's four: " + "/".join(f"{n},{k}" for n, k in LLAMA_SHAPES)
+               + ") or N,K pairs joined by '/'")
+
+
+def script_parser(doc: str) -> argparse.ArgumentParser:
+    """A script's parser: the first paragraph of its docstring as the description, the rest as
+    the epilog (printed as written)."""
+    parts = doc.split("\n\n")
+    return argparse.ArgumentParser(description=parts[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   epilog="\n\n".join(parts[1:]))
+
+
+def add_out_arg(p: argparse.ArgumentParser, script: str) -> None:
+    p.add_argument("--out", default=str(default_out(script)),
+                   help="JSONL file the rows are appended to (default: %(default)s)")
+
+
+def parse_sections_and_shapes(p: argparse.ArgumentParser, args, known: tuple[str, ...]) -> None:
+    """``args.sections`` (and ``args.shapes``, where the script has it) parsed in place; a bad
+    value is the parser's one-line error."""
+    try:
+        args.sections = parse_sections(args.sections, known)
+        if hasattr(args, "shapes"):
+            args.shapes = parse_shapes(args.shapes)
+    except ValueError as e:
+        p.error(str(e))
+
+
+def start(script: str, argv: list[str] | None) -> dict:
+    """A GPU script's start: refuse without CUDA, then print and return the environment."""
+    require_cuda(script)
+    env = environment(script, argv)
+    print_environment(env)
+    return env
+
+
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     """'all' (``LLAMA_SHAPES``) or shapes 'N,K' joined by '/'."""
     if text == "all":

@@ -17,7 +17,6 @@ each with the environment. Exit status 1 if a bit-exact check fails or a loss is
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import Results, default_out, environment, print_environment, require_cuda
+from common import Results, add_out_arg, script_parser, start
 
 import adahop
 from adahop.formats.mxfp4 import SCALE_MODES
@@ -133,22 +132,17 @@ def tiny_corpus(out_dir) -> Path:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p = script_parser(__doc__)
     p.add_argument("--train-steps", type=int, default=80,
                    help="training steps per recipe on the GPU, 0 to skip training (default: %(default)s)")
     p.add_argument("--corpus", default=None,
                    help="corpus folder for the training part (default: a small standard-library corpus, built in a "
                         "temporary folder)")
-    p.add_argument("--out", default=str(default_out("gpu_reference_check")),
-                   help="JSONL file the rows are appended to (default: %(default)s)")
+    add_out_arg(p, "gpu_reference_check")
     args = p.parse_args(argv)
     if args.train_steps < 0:
         p.error(f"--train-steps must be >= 0, got {args.train_steps}")
-    require_cuda("gpu_reference_check.py")
-    env = environment("gpu_reference_check.py", argv)
-    print_environment(env)
+    env = start("gpu_reference_check.py", argv)
     results = Results(args.out, "gpu_reference_check", env)
     quantize, hadamard, linear = check_quantize(), check_hadamard(), check_linear()
     results.write("quantize", quantize)
