@@ -288,6 +288,9 @@ class AdaHOPLinear(nn.Linear):
         self.calibration = LayerCalibration() if config.adaptive else None
         self.patterns: dict | None = None
         self.modes: dict | None = None if config.adaptive else config.fixed_modes()
+        # False: the layer does not freeze itself when calibration ends; the caller merges the
+        # observations first (e.g. across data-parallel ranks) and calls finish_calibration.
+        self.freeze_when_calibrated = True
         self._oe_clamp_warned = False
         self._static_plan = None  # (config, key, seed chain prefix, GEMM plans without SR seeds): _plan
         self._register_load_state_dict_pre_hook(self._fill_missing_extra_state, with_module=False)
@@ -314,7 +317,8 @@ class AdaHOPLinear(nn.Linear):
         self.calibration.add(role, observe_tensor(t, tau=self.config.tau, k=k))
 
     def _after_calibration_step(self) -> None:
-        if self.calibrating and self.calibration.steps >= self.config.calibration_steps:
+        if (self.freeze_when_calibrated and self.calibrating
+                and self.calibration.steps >= self.config.calibration_steps):
             self.finish_calibration()
 
     def finish_calibration(self) -> dict:
