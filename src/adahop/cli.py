@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -57,8 +58,11 @@ def train_config(args):
                  backend=args.backend, progress=not args.no_progress, compile=args.compile or None,
                  bf16_blocks=args.bf16_blocks,
                  bf16_phase_start=args.bf16_phase[0] if args.bf16_phase else None,
-                 bf16_phase_gemms=args.bf16_phase[1] if args.bf16_phase else None)
+                 bf16_phase_gemms=args.bf16_phase[1] if args.bf16_phase else None, parallel=args.parallel)
     cfg.validate()  # the fraction and the GEMM names are checked here, with the calibration length
+    from adahop.train.distributed import check_launch
+
+    check_launch(cfg.parallel, cfg.batch_size)  # torchrun's environment, the batch split over its ranks
     return cfg
 
 
@@ -91,7 +95,9 @@ def run_train(args) -> dict:
     summary = train(cfg, model=model, train_batches=batches, eval_fn=eval_fn, resume=not args.no_resume)
     final = (summary["final_eval"] or {}).get("sources", {})
     desc = ", ".join(f"{s}: {v['loss']:.4f} nats, {v['bpb']:.4f} bpb" for s, v in final.items())
-    if summary.get("already_finished"):
+    if _rank():  # under torchrun, rank 0 says it for the run
+        pass
+    elif summary.get("already_finished"):
         print(f"{cfg.out_dir} has finished already ({summary['steps']} steps of {cfg.recipe}); left as it is. "
               f"Held-out {desc or '-'}. Give a new --out (or --no-resume) to train again.")
     else:
@@ -364,6 +370,9 @@ def _add_train_args(p):
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer block (the AdaHOP layers' quantized GEMMs run "
                         "eagerly between the compiled parts); faster on a GPU, a minute of compiling first")
+    g.add_argument("--parallel", default="none", choices=["none", "ddp"],
+                   help="ddp: data parallel, one process per GPU (or CPU process) under torchrun --nproc-per-node N; "
+                        "--batch-size is the global batch, split over the ranks (docs/distributed.md)")
     g.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch (0: torch's default). 1 is the fastest for the small "
                         "models a CPU trains: the reference MXFP4 path is many small ops, and on 2 "
@@ -511,22 +520,34 @@ def _keep_traceback(args) -> str:
     return path
 
 
+def _rank() -> int | None:
+    """This process's rank when torchrun started several, else None."""
+    try:
+        return int(os.environ["RANK"]) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    except (KeyError, ValueError):
+        return None
+
+
 def main(argv=None) -> int:
     from adahop.train.sources import FetchError
 
     args = parse_args(argv)
     where = f"adahop {args.command}"
+    rank = _rank()
+    if rank is not None:
+        where += f" (rank {rank})"
     try:
         COMMANDS[args.command](args)
     except KeyboardInterrupt:
         kept = "; the run's last checkpoint is kept" if args.command in ("train", "quickstart") else ""
         print(f"{where}: interrupted{kept}", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except FloatingPointError as e:  # divergence, with the step and what was kept
-        print(f"{where}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except (ValueError, ImportError, FetchError) as e:  # bad input, a missing optional package, a failed download
-        print(f"{where}: error: {e}", file=sys.stderr)
+    except (FloatingPointError, ValueError, ImportError, FetchError) as e:
+        # divergence (with the step and what was kept), bad input, a missing optional package, a
+        # failed download. Under torchrun an error every rank raises alike is printed by rank 0;
+        # a rank stopped by another's error prints nothing (that rank prints its own).
+        if not getattr(e, "quiet", False) and not (getattr(e, "all_ranks", False) and rank):
+            print(f"{where}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as e:  # a full disk, a permission: name the file and the reason
         target = f" {e.filename}" if e.filename else ""

@@ -10,13 +10,33 @@ Atomicity: the file is written to a temporary name in the same folder, flushed t
 renamed over its final name (``os.replace`` is atomic on POSIX), and only then does the
 ``latest`` pointer (itself replaced atomically) move to it. A run killed at any moment leaves
 the previous checkpoint and pointer intact.
+
+A run under ``--parallel`` writes a sharded checkpoint instead: a folder ``step_000123/``
+(``save_sharded`` / ``load_sharded``, docs/distributed.md) holding
+
+    .metadata, __<rank>_0.distcp   the model's and the optimizer's tensors, written by
+                                   torch.distributed.checkpoint (each rank its shards), keyed by
+                                   parameter name, so they load into another world size
+    state.json                     step, world size, config, the AdaHOP layers' extra state
+                                   (calibration, patterns, modes: the same on every rank)
+    rank_00000.pt, ...             per rank: data position, RNG states, SR call counters
+                                   (torch.save, loaded with weights_only=True)
+
+It is written into ``.step_000123.tmp/`` and renamed into place by rank 0 once every rank has
+written its part, then ``latest`` moves. Only tensors go through torch.distributed.checkpoint:
+its non-tensor values would be unpickled on load. Its ``.metadata`` file is a pickle of its own
+classes, read here with an unpickler that admits those classes and nothing else.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import pickle
 import random
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +44,11 @@ import torch
 
 from adahop.atomic_io import atomic_write, atomic_write_bytes
 
-CHECKPOINT_RE = re.compile(r"^step_(\d{9})\.pt$")
+CHECKPOINT_RE = re.compile(r"^step_(\d{9})(\.pt)?$")  # a file (one process) or a folder (sharded)
 LATEST = "latest"
+SHARDED_STATE = "state.json"
+SHARDED_FORMAT = "adahop-sharded-checkpoint"
+SHARDED_VERSION = 1
 
 
 def rng_state() -> dict:
@@ -58,9 +81,17 @@ def save_checkpoint(folder: str | os.PathLike, step: int, state: dict, *, keep: 
     path = folder / f"step_{step:09d}.pt"
     atomic_write(path, lambda f: torch.save(state, f))
     atomic_write_bytes(folder / LATEST, path.name.encode())
-    for old in list_checkpoints(folder)[:-keep] if keep > 0 else []:
-        old.unlink()
+    prune_checkpoints(folder, keep)
     return path
+
+
+def prune_checkpoints(folder: Path, keep: int) -> None:
+    """Delete all but the ``keep`` newest checkpoints (files or sharded folders)."""
+    for old in list_checkpoints(folder)[:-keep] if keep > 0 else []:
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
 
 
 def list_checkpoints(folder: str | os.PathLike) -> list[Path]:
@@ -109,3 +140,136 @@ def load_training_checkpoint(path: str | os.PathLike) -> dict:
     if isinstance(state["step"], bool) or not isinstance(state["step"], int) or state["step"] < 1:
         raise ValueError(f"{path}: step must be an int >= 1, got {state['step']!r}")
     return state
+
+
+# ---- sharded checkpoints (runs under --parallel) ----------------------------------------------------
+def is_sharded(path: str | os.PathLike) -> bool:
+    return Path(path).is_dir()
+
+
+def _tensors(d: dict) -> dict:
+    return {k: v for k, v in d.items() if isinstance(v, torch.Tensor)}
+
+
+def rank_file(path: Path, rank: int) -> Path:
+    return path / f"rank_{rank:05d}.pt"
+
+
+def save_sharded(folder: str | os.PathLike, step: int, *, model, optimizer, state: dict, rank_state: dict, par,
+                 keep: int = 2) -> Path:
+    """Write a sharded checkpoint of ``step`` (the module doc) from every rank of ``par``
+    (``train.distributed.Parallel``): ``state`` (plain JSON data, the same on every rank) and
+    this rank's ``rank_state``. Every rank calls it; returns the checkpoint's folder."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    folder = Path(folder)
+    final = folder / f"step_{step:09d}"
+    tmp = folder / f".{final.name}.tmp"
+    if par.is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # a write killed before its rename
+            shutil.rmtree(tmp)
+    par.barrier()
+    osd = get_optimizer_state_dict(model, optimizer)
+    dcp.save({"model": _tensors(get_model_state_dict(model)), "optim": osd["state"]},
+             storage_writer=dcp.FileSystemWriter(str(tmp)))
+    atomic_write(rank_file(tmp, par.rank), lambda f: torch.save(rank_state, f))
+    if par.is_main:
+        meta = {"format": SHARDED_FORMAT, "format_version": SHARDED_VERSION, "world_size": par.world, **state}
+        atomic_write_bytes(tmp / SHARDED_STATE, (json.dumps(meta, indent=1) + "\n").encode())
+    par.barrier()  # every rank's part is written
+    if par.is_main:
+        if final.exists():  # the same step written again (a resumed run): replaced whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        atomic_write_bytes(folder / LATEST, final.name.encode())
+        prune_checkpoints(folder, keep)
+    par.barrier()
+    return final
+
+
+def read_sharded_state(path: str | os.PathLike) -> dict:
+    """``state.json`` of a sharded checkpoint (what ``save_sharded`` got as ``state``, plus
+    ``world_size``), checked; a ValueError naming the folder otherwise."""
+    path = Path(path)
+    file = path / SHARDED_STATE
+    try:
+        meta = json.loads(file.read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a sharded checkpoint of adahop: {file}: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != SHARDED_FORMAT or \
+            meta.get("format_version") != SHARDED_VERSION:
+        raise ValueError(f"{file} is not a sharded adahop checkpoint of version {SHARDED_VERSION}")
+    missing = [k for k in ("step", "config", "world_size") if k not in meta]
+    if missing:
+        raise ValueError(f"{file} lacks {missing}")
+    return meta
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits the classes torch.distributed.checkpoint's metadata is made of (its own
+    dataclasses, ``torch.Size``, dtypes, a path) and nothing that runs code of the file's choosing."""
+
+    METADATA_MODULE = "torch.distributed.checkpoint.metadata"  # dataclasses and enums only
+    ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+               ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"),
+               ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        if module == self.METADATA_MODULE and isinstance(found := super().find_class(module, name), type):
+            return found
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's .metadata")
+
+
+def _safe_reader(path: Path):
+    import torch.distributed.checkpoint as dcp
+
+    class SafeReader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            try:
+                with open(Path(self.path) / ".metadata", "rb") as f:
+                    metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+            except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+                raise ValueError(f"cannot read {path}/.metadata: {e}") from None
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(path))
+
+
+def load_sharded(path: str | os.PathLike, *, model, optimizer, par) -> dict:
+    """Load a sharded checkpoint into ``model`` and ``optimizer`` (resharded to this world
+    size) on every rank of ``par``. Returns ``state.json`` with ``rank_state``: this rank's
+    part, the same rank's when the world size is the saved one, else rank 0's (see
+    docs/distributed.md for what that means for the data position)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    path = Path(path)
+    meta = read_sharded_state(path)
+    msd = _tensors(get_model_state_dict(model))
+    osd = get_optimizer_state_dict(model, optimizer)  # initialises the state: its tensors are loaded into
+    try:
+        dcp.load({"model": msd, "optim": osd["state"]}, storage_reader=_safe_reader(path))
+    except (RuntimeError, KeyError) as e:  # missing keys, other shapes
+        raise ValueError(f"{path} does not fit this model: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    set_model_state_dict(model, msd)
+    set_optimizer_state_dict(model, optimizer, osd)
+    source = par.rank if meta["world_size"] == par.world else 0
+    meta["rank_state"] = load_checkpoint(rank_file(path, source))
+    meta["rank_state_from"] = source
+    return meta

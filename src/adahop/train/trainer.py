@@ -6,6 +6,10 @@ Exact resume: a checkpoint holds everything the next step depends on (model, inc
 layers' calibration votes, modes and SR call counters; optimizer; data position; RNG states; the
 step). Loading it and continuing gives the same loss sequence, bit for bit on the CPU, as a run
 that was never interrupted (tested).
+
+Under torchrun with ``parallel`` ``ddp`` every rank runs this loop on its rows of the global batch
+(``train.distributed``; docs/distributed.md): rank 0 owns the run folder's lock, log and summary,
+every rank writes its part of a sharded checkpoint.
 """
 
 from __future__ import annotations
@@ -24,13 +28,18 @@ import adahop
 from adahop.atomic_io import atomic_write_bytes
 from adahop.config import AdaHOPConfig
 from adahop.train.checkpoint import (
+    is_sharded,
     latest_checkpoint,
+    load_sharded,
     load_training_checkpoint,
+    read_sharded_state,
     rng_state,
     save_checkpoint,
+    save_sharded,
     set_rng_state,
 )
 from adahop.train.compile import compile_blocks
+from adahop.train.distributed import PARALLEL_CHOICES, Parallel
 from adahop.train.precision import (
     apply_bf16_phase,
     block_filter,
@@ -77,6 +86,7 @@ class TrainConfig:
     device: str = "auto"
     autocast: str = "auto"  # "bf16", "none", or "auto": bf16 on CUDA, none on CPU
     compile: bool = False  # torch.compile each transformer block (train/compile.py)
+    parallel: str = "none"  # "ddp" under torchrun (train/distributed.py; batch_size is the global batch)
     log_every: int = 1
     sync_every: int = 10  # read losses back from the device every this many steps (see train())
     eval_every: int = 0  # 0: only at the end
@@ -140,6 +150,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a finite number {allowed}, got {v!r}")
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be a bool, got {self.compile!r}")
+        if self.parallel not in PARALLEL_CHOICES:
+            raise ValueError(f"parallel must be one of {PARALLEL_CHOICES}, got {self.parallel!r}")
         if self.autocast not in ("auto", "bf16", "none"):
             raise ValueError(f"autocast must be 'auto', 'bf16' or 'none', got {self.autocast!r}")
         check_bf16_blocks(self.bf16_blocks)
@@ -222,8 +234,9 @@ class StopTraining(Exception):  # noqa: N818  (a signal, not an error)
 # Fields that may change when a run resumes: where and how it runs, not what it computes.
 # (``adahop.backend`` may change too: every backend gives the reference's quantized bits, and
 # their GEMMs differ only in accumulation order.)
+# (``parallel`` may change between ddp and fsdp2: their sharded checkpoints are the same format.)
 RESUMABLE_CHANGES = ("out_dir", "corpus_dir", "device", "compile", "progress", "log_every", "sync_every",
-                     "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "extra")
+                     "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "extra", "parallel")
 
 
 def resume_conflicts(saved: dict, cfg: TrainConfig) -> list[str]:
@@ -264,25 +277,94 @@ def train(
     per step, final eval, tokens/s, peak memory."""
     cfg.validate()
     out = ensure_writable_dir(cfg.out_dir)
-    with RunLock(out):
-        return _train(cfg, out, model=model, train_batches=train_batches, eval_fn=eval_fn, resume=resume,
+    par = Parallel.start(cfg.parallel, resolve_device(cfg.device))
+    lock = None
+    try:
+        error = None
+        try:
+            par.check_batch(cfg.batch_size)
+            if par.is_main:  # one owner of the folder; the other ranks write only their checkpoint parts
+                lock = RunLock(out).acquire()
+        except ValueError as e:
+            error = e
+        par.agree(error)
+        return _train(cfg, out, par, model=model, train_batches=train_batches, eval_fn=eval_fn, resume=resume,
                       stop_after=stop_after, on_step=on_step)
+    finally:
+        if lock is not None:
+            lock.release()
+        par.close()
 
 
-def _train(cfg, out, *, model, train_batches, eval_fn, resume, stop_after, on_step) -> dict:
-    device = resolve_device(cfg.device)
+class _NoLog:
+    """The log of a rank other than 0: rank 0 writes the run's log."""
+
+    def write(self, record: dict) -> None:
+        pass
+
+    def records(self) -> list[dict]:
+        return []
+
+
+def _open_checkpoint(found, cfg: TrainConfig, par: Parallel):
+    """``(saved config, step, state)`` of the checkpoint ``found``: a single-process checkpoint
+    loaded whole, or a sharded one's ``state.json`` (its tensors load once the model is built)."""
+    if is_sharded(found) != par.distributed:
+        if par.distributed:
+            raise ValueError(f"{found} was written by a run without --parallel: resume it without --parallel, "
+                             "or give a new --out (or --no-resume)")
+        raise ValueError(f"{found} is a sharded checkpoint of a --parallel run: resume it under torchrun with "
+                         "--parallel (torchrun --nproc-per-node 1 works too), or give a new --out (or --no-resume)")
+    if par.distributed:
+        meta = read_sharded_state(found)
+        return meta["config"], meta["step"], meta
+    state = load_training_checkpoint(found)
+    return state["config"], state["step"], state
+
+
+def _layer_states(model: nn.Module) -> dict:
+    """The AdaHOP layers' extra state without the SR call counters (those are per rank)."""
+    return {fqn: {k: v for k, v in layer.get_extra_state().items() if k != "calls"}
+            for fqn, layer in adahop.adahop_layers(model).items()}
+
+
+def _load_sharded_state(model, opt, train_batches, found, par: Parallel) -> int:
+    """Load a sharded checkpoint on every rank; returns its step."""
+    meta = load_sharded(found, model=model, optimizer=opt, par=par)
+    ranked = meta["rank_state"]
+    saved_world = meta["world_size"]
+    for fqn, layer in adahop.adahop_layers(model).items():
+        if fqn not in meta["layers"]:
+            raise ValueError(f"{found} has no AdaHOP state for layer {fqn!r}")
+        calls = int(ranked["sr_calls"][fqn])
+        if saved_world != par.world:  # rank 0's counter -> the count of calls, then this world's layout
+            calls = -(-calls // saved_world) * par.world
+        layer.set_extra_state({**meta["layers"][fqn], "calls": calls})
+    train_batches.load_state_dict(ranked["data"])
+    set_rng_state(ranked["rng"])
+    return meta["step"]
+
+
+def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, stop_after, on_step) -> dict:
+    device = par.device if par.distributed else resolve_device(cfg.device)
     use_bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
     ckpt_dir = out / "checkpoints"
-    found = latest_checkpoint(ckpt_dir) if resume else None
-    state = load_training_checkpoint(found) if found is not None else None
-    if state is not None:
-        conflicts = resume_conflicts(state["config"], cfg)
-        if conflicts:
-            raise ValueError(f"{found} belongs to a run with other settings ({'; '.join(conflicts)}); "
-                             "give the same settings to resume it, or a new --out (or --no-resume to start over)")
-        if state["step"] >= cfg.steps and (out / "summary.json").is_file():
-            summary = json.loads((out / "summary.json").read_text())
-            return {**summary, "losses": [], "already_finished": True}
+    state = saved_step = None
+    error = None
+    try:
+        found = latest_checkpoint(ckpt_dir) if resume else None
+        if found is not None:
+            saved_config, saved_step, state = _open_checkpoint(found, cfg, par)
+            conflicts = resume_conflicts(saved_config, cfg)
+            if conflicts:
+                raise ValueError(f"{found} belongs to a run with other settings ({'; '.join(conflicts)}); "
+                                 "give the same settings to resume it, or a new --out (or --no-resume to start over)")
+    except ValueError as e:
+        error = e
+    par.agree(error)
+    if state is not None and saved_step >= cfg.steps and (out / "summary.json").is_file():
+        summary = json.loads((out / "summary.json").read_text())
+        return {**summary, "losses": [], "already_finished": True}
     torch.manual_seed(cfg.seed)
 
     if not adahop.adahop_layers(model):
@@ -294,28 +376,37 @@ def _train(cfg, out, *, model, train_batches, eval_fn, resume, stop_after, on_st
     opt = make_optimizer(model, cfg)
 
     start_step = 0
-    if state is not None:
+    if state is not None and par.distributed:
+        start_step = _load_sharded_state(model, opt, train_batches, found, par)
+    elif state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         train_batches.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         start_step = state["step"]
-    log = JsonlLog(out / LOG_NAME, start_step if state is not None else None)
-    write_text_atomic(out / "config.json", json.dumps(cfg.to_dict(), indent=1))
+    par.prepare(model)
+    par.check_modes(f"after loading {found}" if state is not None else "at the start of training")
+    forward = par.wrap(model)
+    main = par.is_main
+    log = JsonlLog(out / LOG_NAME, start_step if state is not None else None) if main else _NoLog()
+    if main:
+        write_text_atomic(out / "config.json", json.dumps(cfg.to_dict(), indent=1))
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    bar = _progress(cfg.steps, start_step, cfg.progress)
+    bar = _progress(cfg.steps, start_step, cfg.progress and main)
     tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
     losses, t_start, steps_done = [], time.perf_counter(), 0
     step = start_step
-    last_ckpt = found
+    last_ckpt = found if state is not None else None
     # Steps whose loss and gradient norm are still on the device. Reading them back is a host-
     # device sync; doing it every step would keep the host from queueing the next step's kernels
     # while the GPU works, so they are read every ``sync_every`` steps (and before any
     # evaluation, checkpoint or the end). Every step still gets its own log record.
-    pending: list[tuple[dict, torch.Tensor, torch.Tensor]] = []
+    # Each step's report is ``Parallel.step_report``: every rank's loss and gradient check.
+    pending: list[tuple[dict, torch.Tensor]] = []
     t_window = time.perf_counter()
+    hint = f"{cfg.recipe}, lr {cfg.lr:g}"
 
     def flush(evaluate: bool = False) -> None:
         """Read the pending steps back (one sync), check them, then evaluate (``evaluate``: into
@@ -323,23 +414,19 @@ def _train(cfg, out, *, model, train_batches, eval_fn, resume, stop_after, on_st
         nonlocal t_window
         if not pending:
             return
-        values = torch.stack([torch.stack((loss, norm)) for _, loss, norm in pending]).tolist()
+        values = torch.stack([report for _, report in pending]).tolist()
         rate = len(pending) * tokens_per_step / max(time.perf_counter() - t_window, 1e-9)
-        for (record, _, _), (loss_val, _) in zip(pending, values):
-            if not math.isfinite(loss_val):
-                kept = f"the last checkpoint, {last_ckpt}, is kept" if last_ckpt else "no checkpoint was written"
-                raise FloatingPointError(
-                    f"training diverged: the loss is {loss_val} at step {record['step']} "
-                    f"({cfg.recipe}, lr {cfg.lr:g}); {kept}. A lower --lr or a longer warm-up may help")
+        kept = f"the last checkpoint, {last_ckpt}, is kept" if last_ckpt else "no checkpoint was written"
+        step_losses = [par.check_finite(v, record["step"], kept, hint) for (record, _), v in zip(pending, values)]
         if evaluate:
             pending[-1][0]["eval"] = eval_fn(model)
-        for (record, _, _), (loss_val, grad_norm) in zip(pending, values):
-            record.update(loss=loss_val, grad_norm=grad_norm, tok_per_s=rate)
+        for (record, _), loss_val, v in zip(pending, step_losses, values):
+            record.update(loss=loss_val, grad_norm=v[-1], tok_per_s=rate)
             losses.append(loss_val)
             if cfg.log_every and (record["step"] % cfg.log_every == 0 or record["step"] == cfg.steps):
                 log.write(record)
         if bar is not None:
-            bar.set_postfix(loss=f"{values[-1][0]:.4f}", tok_s=f"{rate:.0f}")
+            bar.set_postfix(loss=f"{step_losses[-1]:.4f}", tok_s=f"{rate:.0f}")
             bar.update(len(pending))
         pending.clear()
         t_window = time.perf_counter()
@@ -358,14 +445,19 @@ def _train(cfg, out, *, model, train_batches, eval_fn, resume, stop_after, on_st
             for group in opt.param_groups:
                 group["lr"] = lr
             opt.zero_grad(set_to_none=True)
+            par.start_step()
             loss_sum = torch.zeros((), device=device)
-            for _ in range(cfg.grad_accum):
-                inputs, targets = next(train_batches)
+            for micro in range(cfg.grad_accum):
+                inputs, targets = par.shard(*next(train_batches))
                 inputs, targets = inputs.to(device), targets.to(device)
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                    logits = model(inputs)
-                loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-                (loss / cfg.grad_accum).backward()
+                counters = par.align_sr_counters()
+                with par.no_sync(forward, last_micro_batch=micro == cfg.grad_accum - 1):
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+                        logits = forward(inputs)
+                    loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+                    (loss / cfg.grad_accum).backward()
+                par.check_sr_counters(counters)
+                par.merge_calibration(step + 1)
                 loss_sum += loss.detach()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
@@ -376,10 +468,11 @@ def _train(cfg, out, *, model, train_batches, eval_fn, resume, stop_after, on_st
                     on_step(step, model)
                 except StopTraining:
                     stop = True
+                stop = par.any(stop)  # a hook that stops one rank stops them all
             record = {"step": step, "loss": None, "lr": lr, "grad_norm": None,
                       "tokens": step * tokens_per_step, "tok_per_s": None,
                       "calibrated": adahop.is_calibrated(model)}
-            pending.append((record, loss_sum / cfg.grad_accum, grad_norm.float()))
+            pending.append((record, par.step_report(loss_sum / cfg.grad_accum, grad_norm)))
             if stop:
                 break
             last = step == cfg.steps or (stop_after is not None and steps_done >= stop_after)
@@ -387,7 +480,13 @@ def _train(cfg, out, *, model, train_batches, eval_fn, resume, stop_after, on_st
             do_ckpt = bool(cfg.ckpt_every and step % cfg.ckpt_every == 0) or last
             if do_eval or do_ckpt or len(pending) >= cfg.sync_every:
                 flush(evaluate=do_eval)  # raises before a checkpoint could hold a non-finite step
-            if do_ckpt:
+            if do_ckpt and par.distributed:
+                last_ckpt = save_sharded(
+                    ckpt_dir, step, model=model, optimizer=opt, par=par, keep=cfg.keep_checkpoints,
+                    state={"step": step, "config": cfg.to_dict(), "layers": _layer_states(model)},
+                    rank_state={"data": train_batches.state_dict(), "rng": rng_state(),
+                                "sr_calls": {fqn: layer.calls for fqn, layer in adahop.adahop_layers(model).items()}})
+            elif do_ckpt:
                 last_ckpt = save_checkpoint(ckpt_dir, step, {
                     "step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
                     "data": train_batches.state_dict(), "rng": rng_state(), "config": cfg.to_dict(),
@@ -404,20 +503,23 @@ def _train(cfg, out, *, model, train_batches, eval_fn, resume, stop_after, on_st
     if finished and eval_fn is not None:
         # a run killed after its final evaluation was logged, before its summary: not again
         logged = next((r["final_eval"] for r in log.records() if "final_eval" in r and r["step"] == step), None)
-        eval_result = logged if logged is not None else eval_fn(model)
-        if logged is None:
+        if not par.any(logged is not None):  # every rank evaluates (a sharded model needs them all)
+            eval_result = eval_fn(model)
             log.write({"step": step, "final_eval": eval_result})
+        else:
+            eval_result = logged
     summary = {
         "recipe": cfg.recipe, "model_size": cfg.model_size, "steps": step, "losses": losses, "stopped": stop,
         "tokens_per_s": steps_done * tokens_per_step / elapsed if steps_done and elapsed > 0 else None,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "final_eval": eval_result,
     }
-    if finished:
+    if finished and main:
         modes = {fqn: dict(layer.modes or {}) for fqn, layer in adahop.adahop_layers(model).items()}
         write_text_atomic(out / "modes.json", json.dumps(modes, indent=1))
         write_text_atomic(out / "summary.json",
                           json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1))
+    par.barrier()  # the summary is written before any rank returns
     return summary
 
 

@@ -1,0 +1,440 @@
+"""Data-parallel training under torchrun: the process group, rank and world, the calibration
+consensus, and the checks that stop every rank together (docs/distributed.md).
+
+One ``Parallel`` object per run says where this process stands (rank, world size, device) and
+does the few things data parallelism adds to the trainer:
+
+* ``shard``: the global batch of ``batch_size`` sequences is the same on every rank (every rank
+  draws it from the same seeded iterator); rank r trains on rows ``[r*B/W, (r+1)*B/W)``. The
+  data position is therefore global, the same on every rank, and resumes on any world size.
+* ``align_sr_counters``: rank r of W draws the stochastic-rounding call numbers r, r + W,
+  r + 2W, ... of each layer (a layer's SR seed is a hash of its config seed, its name and that
+  number; linear.py). The ranks' streams differ, so their rounding errors are independent and
+  average out in the gradient all-reduce, each rank's is reproducible, and together they are
+  the stream a single process with W-fold gradient accumulation draws: DDP on W ranks then
+  quantizes exactly the values such a run quantizes, with the same bits (tested).
+* the calibration consensus (``merge_calibration``): the layers do not freeze themselves
+  (``freeze_when_calibrated = False``); after every backward the ranks' new votes and
+  statistics are summed across ranks (one all-reduce of a float64 vector), and a layer whose
+  merged count reaches ``calibration_steps`` freezes on every rank from the same numbers. A
+  backward pass of each rank counts, as a micro-batch does under accumulation.
+* ``check_modes``: at the freeze and after a load, every rank's modes, patterns and
+  calibration state are compared; a difference stops every rank with ``RankMismatchError``.
+* ``step_report`` / ``check_finite``: each rank's loss and whether its own gradient (before the
+  all-reduce, seen by a DDP communication hook) was finite are gathered every step and read
+  back with the losses; a non-finite one on any rank stops every rank at the same step with
+  ``NonFiniteError`` naming the rank and the step.
+* ``agree``: a setup error on one rank (a locked folder, a checkpoint of another run) reaches
+  every rank, instead of leaving the others waiting in their next collective.
+
+``Parallel.single(device)`` is the one-process case; its methods cost nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+from torch import nn
+
+from adahop.convert import adahop_layers
+from adahop.patterns.calibration import TENSOR_ROLES, LayerCalibration
+from adahop.patterns.detect import PATTERNS
+
+PARALLEL_CHOICES = ("none", "ddp", "fsdp2")
+LAUNCH = "torchrun --nproc-per-node N -m adahop.cli train --parallel {mode} ..."
+TIMEOUT_ENV = "ADAHOP_DIST_TIMEOUT_S"  # the process group's timeout for a collective (default torch's)
+
+
+class LaunchError(ValueError):
+    """The launch does not fit the run (no torchrun, a batch that does not split): every rank
+    raises it alike."""
+
+    all_ranks = True  # the CLI prints it once, on rank 0
+
+
+class RankMismatchError(ValueError):
+    """Ranks hold different calibrated modes (or calibration state): every rank raises it."""
+
+    all_ranks = True  # the CLI prints it once, on rank 0
+
+
+class NonFiniteError(FloatingPointError):
+    """A rank saw a non-finite loss or gradient: every rank raises it at the same step."""
+
+    all_ranks = True
+
+
+class StoppedByAnotherRank(ValueError):
+    """Another rank failed during setup (mostly on bad input: a locked folder, a checkpoint of
+    another run); that rank reports its own error."""
+
+    quiet = True  # the CLI prints nothing for it: the failing rank has printed the reason
+
+
+def launch_env() -> tuple[int, int, int] | None:
+    """``(rank, world_size, local_rank)`` from torchrun's environment, None outside torchrun."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", rank))
+    except ValueError:
+        raise ValueError(f"RANK={os.environ['RANK']!r}, WORLD_SIZE={os.environ['WORLD_SIZE']!r}: "
+                         "torchrun sets them to integers") from None
+    return rank, world, local
+
+
+def check_launch(parallel: str, batch_size: int | None = None) -> None:
+    """The launch matches ``parallel``: ``ddp``/``fsdp2`` under torchrun (or in a process group
+    the caller made), ``none`` not in a world of several processes; ``batch_size`` (the global
+    batch) splits evenly over the ranks. A ValueError says what to do otherwise."""
+    import torch.distributed as dist
+
+    if parallel not in PARALLEL_CHOICES:
+        raise LaunchError(f"parallel must be one of {PARALLEL_CHOICES}, got {parallel!r}")
+    initialized = dist.is_available() and dist.is_initialized()
+    env = launch_env()
+    world = dist.get_world_size() if initialized else (env[1] if env else 1)
+    if parallel == "none":
+        if world > 1:
+            raise LaunchError(f"this process is one of {world} (torchrun or a process group) but --parallel is "
+                             "none: each would train the same run into the same folder; add --parallel ddp")
+        return
+    if not initialized and env is None:
+        raise LaunchError(f"--parallel {parallel} runs one process per device under torchrun, which sets RANK and "
+                         f"WORLD_SIZE (not set here): launch it as `{LAUNCH.format(mode=parallel)}`")
+    if batch_size is not None and batch_size % world:
+        raise LaunchError(f"the global batch of {batch_size} sequences does not split over {world} ranks: "
+                         f"give a --batch-size that is a multiple of {world}")
+
+
+def _timeout() -> timedelta | None:
+    text = os.environ.get(TIMEOUT_ENV)
+    if not text:
+        return None
+    try:
+        return timedelta(seconds=float(text))
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds") from None
+
+
+# ---- the calibration state as numbers (what the consensus all-reduces) ---------------------------
+def calibration_numbers(cal: LayerCalibration) -> dict[str, float]:
+    """Every number of a layer's calibration by name: each role's votes, and each statistic's
+    running sum and finite count (every rank records the same statistics)."""
+    out = {}
+    for role in TENSOR_ROLES:
+        t = cal.tensors[role]
+        out.update({f"{role}.votes.{p}": float(t.votes[p]) for p in PATTERNS})
+        for name in t.sums:
+            out[f"{role}.sum.{name}"] = float(t.sums[name])
+            out[f"{role}.count.{name}"] = float(t.finite_counts.get(name, 0))
+    return out
+
+
+def set_calibration_numbers(cal: LayerCalibration, numbers: dict[str, float]) -> None:
+    """The inverse of ``calibration_numbers``, into ``cal``."""
+    for key, value in numbers.items():
+        role, kind, name = key.split(".", 2)
+        t = cal.tensors[role]
+        if kind == "votes":
+            t.votes[name] = round(value)
+        elif kind == "sum":
+            t.sums[name] = value
+        else:
+            t.finite_counts[name] = round(value)
+
+
+def layer_state(layer) -> dict:
+    """What must agree across ranks: modes, patterns, the calibration (while calibrating)."""
+    return {"modes": None if layer.modes is None else dict(layer.modes),
+            "patterns": None if layer.patterns is None else dict(layer.patterns),
+            "calibration": None if layer.calibration is None or not layer.calibrating
+            else layer.calibration.to_dict()}
+
+
+@dataclass
+class Parallel:
+    """Where this process stands in the run (see the module doc)."""
+
+    mode: str = "none"
+    rank: int = 0
+    world: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    owns_group: bool = False
+    _layers: dict = field(default_factory=dict, repr=False)
+    _merged: dict = field(default_factory=dict, repr=False)  # layer -> its calibration numbers at the last merge
+    _layout: list | None = field(default=None, repr=False)  # the names of the numbers merged, checked alike
+    _grad_bad: torch.Tensor | None = field(default=None, repr=False)
+    _sr_next: dict = field(default_factory=dict, repr=False)  # layer -> its next call count n (host side)
+    _sr_checked: bool = field(default=False, repr=False)
+
+    # ---- setup ------------------------------------------------------------------------------------
+    @classmethod
+    def single(cls, device: torch.device) -> Parallel:
+        return cls(device=device)
+
+    @classmethod
+    def start(cls, mode: str, device: torch.device) -> Parallel:
+        """Join (or, under torchrun, create) the default process group. ``device``: the device
+        the run asked for; on CUDA each rank takes GPU ``LOCAL_RANK``."""
+        import torch.distributed as dist
+
+        check_launch(mode)
+        if mode == "none":
+            return cls.single(device)
+        owns = False
+        env = launch_env()
+        if not dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            kwargs = {"timeout": _timeout()} if _timeout() is not None else {}
+            if device.type == "cuda":
+                torch.cuda.set_device(env[2])
+                kwargs["device_id"] = torch.device("cuda", env[2])
+            dist.init_process_group(backend, **kwargs)
+            owns = True
+        if device.type == "cuda":
+            local = env[2] if env is not None else dist.get_rank() % torch.cuda.device_count()
+            if device.index is not None and device.index != local:
+                warnings.warn(f"--device {device} under {mode}: each rank takes the GPU of its local rank "
+                              f"(this one cuda:{local})", stacklevel=2)
+            device = torch.device("cuda", local)
+            torch.cuda.set_device(device)
+        return cls(mode=mode, rank=dist.get_rank(), world=dist.get_world_size(), device=device, owns_group=owns)
+
+    @property
+    def distributed(self) -> bool:
+        return self.mode != "none"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self.owns_group = False
+
+    def barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def agree(self, error: BaseException | None) -> None:
+        """Every rank passes its setup error (or None); if any rank has one, every rank raises:
+        the failing rank its own error, the others ``StoppedByAnotherRank``."""
+        if not self.distributed:
+            if error is not None:
+                raise error
+            return
+        import torch.distributed as dist
+
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, mine)
+        if error is not None:
+            raise error
+        failed = [(r, m) for r, m in enumerate(gathered) if m is not None]
+        if failed:
+            r, m = failed[0]
+            raise StoppedByAnotherRank(f"rank {r} stopped the run: {m}")
+
+    def check_batch(self, batch_size: int) -> None:
+        if batch_size % self.world:
+            raise LaunchError(f"the global batch of {batch_size} sequences does not split over {self.world} ranks: "
+                             f"give a --batch-size that is a multiple of {self.world}")
+
+    # ---- the model --------------------------------------------------------------------------------
+    def prepare(self, model: nn.Module) -> None:
+        """Before training (after a load): the layers leave the freeze to the consensus, whose
+        starting point is their (already merged) calibration state."""
+        self._layers = dict(sorted(adahop_layers(model).items()))
+        if not self.distributed:
+            return
+        for layer in self._layers.values():
+            layer.freeze_when_calibrated = False
+        self._merged = {fqn: calibration_numbers(layer.calibration) for fqn, layer in self._layers.items()
+                        if layer.calibrating}
+        self._layout = None
+        # A counter left at r + (n-1) W + 1 by this rank's last call continues at n (one read per
+        # layer here; afterwards the counts are kept on the host, so no step reads the device).
+        self._sr_next = {fqn: -(-(layer.calls - self.rank) // self.world) for fqn, layer in self._layers.items()
+                         if not layer.runs_plain_linear}
+        self._sr_checked = False
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The module the forward runs through: ``model`` itself, or under DDP its wrapper, whose
+        communication hook records whether this rank's gradient was finite before the all-reduce."""
+        if self.mode != "ddp":
+            return model
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        # broadcast_buffers=False: DDP would otherwise copy rank 0's buffers into every rank before
+        # each forward, and an AdaHOP layer's SR counter may be a buffer that must stay per rank
+        # (align_sr_counters). A decoder's other buffers (RoPE tables) are constants.
+        ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                                      broadcast_buffers=False)
+        self._grad_bad = torch.zeros((), dtype=torch.float32, device=self.device)
+
+        def checked_allreduce(flag, bucket):
+            flag.add_((~torch.isfinite(bucket.buffer()).all()).float())  # stays on the device: no sync
+            return allreduce_hook(None, bucket)
+
+        ddp.register_comm_hook(self._grad_bad, checked_allreduce)
+        return ddp
+
+    def no_sync(self, module: nn.Module, last_micro_batch: bool):
+        """DDP all-reduces the gradient once per step, after the last micro-batch."""
+        if self.mode == "ddp" and not last_micro_batch:
+            return module.no_sync()
+        return contextlib.nullcontext()
+
+    def shard(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of a global batch."""
+        if not self.distributed:
+            return inputs, targets
+        rows = inputs.shape[0]
+        if rows % self.world:
+            raise ValueError(f"a batch of {rows} rows does not split over {self.world} ranks")
+        n = rows // self.world
+        return inputs[self.rank * n:(self.rank + 1) * n], targets[self.rank * n:(self.rank + 1) * n]
+
+    def align_sr_counters(self) -> dict | None:
+        """Before a training forward: each layer's call counter to this rank's next number,
+        r + n W (see the module doc). Returns the counters set, for ``check_sr_counters``."""
+        if self.world == 1:
+            return None
+        before = {}
+        for fqn, n in self._sr_next.items():
+            before[fqn] = self._layers[fqn].calls = n * self.world + self.rank  # a write: no sync
+            self._sr_next[fqn] = n + 1
+        return before
+
+    def check_sr_counters(self, before: dict | None) -> None:
+        """After the first training forward (one read): a layer called more than once per forward
+        would draw numbers of another rank's stream."""
+        if not before or self._sr_checked:
+            return
+        self._sr_checked = True
+        for fqn, calls in before.items():
+            ran = self._layers[fqn].calls - calls
+            if ran > 1:
+                warnings.warn(f"{fqn} ran {ran} times in one forward: under data parallelism its stochastic "
+                              "rounding then shares random numbers with another rank's", stacklevel=2)
+                return
+
+    def merge_calibration(self, step: int) -> list[str]:
+        """After a backward: sum the ranks' new calibration observations, freeze the layers whose
+        merged count reached ``calibration_steps``, and check that the ranks agree. Returns the
+        layers frozen now."""
+        if not self.distributed or not self._merged:
+            return []
+        import torch.distributed as dist
+
+        names = list(self._merged)
+        current = {fqn: calibration_numbers(self._layers[fqn].calibration) for fqn in names}
+        layout = [(fqn, key) for fqn in names for key in sorted(current[fqn])]
+        if layout != self._layout:  # the first merge, or new statistics: the same names on every rank?
+            gathered = [None] * self.world
+            dist.all_gather_object(gathered, layout)
+            if any(g != layout for g in gathered):
+                raise RankMismatchError(f"the ranks calibrate different layers or statistics at step {step}; "
+                                        "every rank must convert the same layers with the same config")
+            self._layout = layout
+        delta = torch.tensor([current[fqn][key] - self._merged[fqn].get(key, 0.0) for fqn, key in layout],
+                             dtype=torch.float64, device=self.device)
+        dist.all_reduce(delta)  # the sum of every rank's observations since the last merge
+        for (fqn, key), d in zip(layout, delta.tolist()):
+            self._merged[fqn][key] = self._merged[fqn].get(key, 0.0) + d
+        frozen = []
+        for fqn in names:
+            layer = self._layers[fqn]
+            set_calibration_numbers(layer.calibration, self._merged[fqn])
+            if layer.calibration.steps >= layer.config.calibration_steps:
+                layer.finish_calibration()
+                del self._merged[fqn]
+                frozen.append(fqn)
+        if frozen:
+            self.check_modes(f"at the freeze in step {step}")
+        return frozen
+
+    def check_modes(self, where: str) -> None:
+        """Every rank holds the same modes, patterns and calibration state; else every rank
+        raises ``RankMismatchError`` naming the first layer that differs."""
+        if self.world == 1:
+            return
+        import torch.distributed as dist
+
+        mine = {fqn: layer_state(layer) for fqn, layer in self._layers.items()}
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, mine)
+        for r, theirs in enumerate(gathered[1:], start=1):
+            for fqn in gathered[0]:
+                a, b = gathered[0][fqn], theirs.get(fqn)
+                if a != b:
+                    what = next((k for k in a if b is None or a[k] != b.get(k)), "layers")
+                    raise RankMismatchError(
+                        f"the ranks disagree {where}: layer {fqn!r} has {what} {a[what]} on rank 0 and "
+                        f"{None if b is None else b[what]} on rank {r}. Every rank must run the same modes (their "
+                        "calibration is merged before the freeze); a checkpoint whose ranks differ cannot resume")
+
+    # ---- the per-step check -----------------------------------------------------------------------
+    def start_step(self) -> None:
+        if self._grad_bad is not None:
+            self._grad_bad.zero_()
+
+    def step_report(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """``[loss_0, grad_bad_0, ..., loss_{W-1}, grad_bad_{W-1}, grad_norm]`` on the device (one
+        all-gather per step, no host sync); read back with the losses (``check_finite``)."""
+        flag = self._grad_bad if self._grad_bad is not None else torch.zeros((), device=loss.device)
+        local = torch.stack((loss.float(), flag.float()))
+        if self.world > 1:
+            import torch.distributed as dist
+
+            parts = [torch.empty_like(local) for _ in range(self.world)]
+            dist.all_gather(parts, local)
+            local = torch.cat(parts)
+        return torch.cat((local, grad_norm.float().reshape(1)))
+
+    def check_finite(self, values: list[float], step: int, kept: str, hint: str) -> float:
+        """The global loss of a ``step_report`` read back; a ``NonFiniteError`` (the same on every
+        rank) if any rank's loss or gradient was not finite."""
+        import math
+
+        losses, bad = values[0:-1:2], values[1:-1:2]
+        grad_norm = values[-1]
+        if self.world == 1:
+            if not math.isfinite(losses[0]):
+                raise FloatingPointError(f"training diverged: the loss is {losses[0]} at step {step} ({hint}); "
+                                         f"{kept}. A lower --lr or a longer warm-up may help")
+            if not math.isfinite(grad_norm):
+                raise FloatingPointError(f"training diverged: the gradient norm is {grad_norm} at step {step} "
+                                         f"({hint}); {kept}. A lower --lr or a longer warm-up may help")
+            return losses[0]
+        seen = [f"rank {r}: " + ", ".join(
+            ([f"loss {v}"] if not math.isfinite(v) else []) + (["a non-finite gradient"] if b else []))
+            for r, (v, b) in enumerate(zip(losses, bad)) if not math.isfinite(v) or b]
+        if seen or not math.isfinite(grad_norm):
+            what = "; ".join(seen) if seen else f"the reduced gradient norm is {grad_norm}"
+            raise NonFiniteError(f"training diverged at step {step} ({what}); every rank stops ({hint}); {kept}. "
+                                 "A lower --lr or a longer warm-up may help")
+        return sum(losses) / len(losses)
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is True on any (a hook's StopTraining, say)."""
+        if self.world == 1:
+            return flag
+        import torch.distributed as dist
+
+        t = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
