@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from adahop.formats.rng import check_seed, lowbias32, mix_seeds, sr_bits
+from adahop.formats.rng import check_seed, lowbias32, mix_seeds, mix_seeds_from, sr_bits
 
 M32 = 2**32 - 1
 
@@ -192,12 +192,13 @@ def test_layer_seeds_follow_the_documented_formula():
                                            name="blocks.0.wq")
     signs_checked = sr_checked = 0
     for call in range(3):
-        plan = layer._plan(torch.device("cpu"), False, 64)
+        layer.calls = call
+        plan = layer._plan(torch.device("cpu"))
         for gi, gemm in enumerate(("fprop", "dgrad", "wgrad")):
             g = getattr(plan, gemm)
             for operand, spec in enumerate((g.a, g.b)):  # RNE draws nothing: no seed
                 if spec.rounding == "sr":
-                    assert spec.sr_seed == mix_seeds(5, layer.layer_id, call, gi, operand)
+                    assert spec.sr_seed.seed() == mix_seeds(5, layer.layer_id, call, gi, operand)
                     sr_checked += 1
                 else:
                     assert spec.sr_seed is None
@@ -206,9 +207,10 @@ def test_layer_seeds_follow_the_documented_formula():
                 signs_checked += 1
     assert signs_checked >= 3  # tseng signs its backward GEMMs: the signs formula was checked
     assert sr_checked >= 3  # and rounds their gradients stochastically
-    layer.config = layer.config.replace(seed=6)  # a new seed is picked up (the cached prefix is keyed)
-    plan = layer._plan(torch.device("cpu"), False, 64)
-    assert plan.dgrad.a.sr_seed == mix_seeds(6, layer.layer_id, 3, 1, 0)
+    layer.config = layer.config.replace(seed=6)  # a new seed is picked up (the device prefix is rewritten)
+    layer.calls = 3
+    plan = layer._plan(torch.device("cpu"))
+    assert plan.dgrad.a.sr_seed.seed() == mix_seeds(6, layer.layer_id, 3, 1, 0)
 
 
 def test_plan_follows_a_new_config():
@@ -220,9 +222,46 @@ def test_plan_follows_a_new_config():
 
     layer = adahop.AdaHOPLinear.from_float(nn.Linear(64, 32), config=adahop.AdaHOPConfig.from_recipe_name("mxfp4_iht"),
                                            name="p")
-    assert layer._plan(torch.device("cpu"), False, 64).fprop.a.hadamard_size == 32
+    assert layer._plan(torch.device("cpu")).fprop.a.hadamard_size == 32
     cfg = layer.config
     layer.config = cfg.replace(fprop=dataclasses.replace(cfg.fprop, hadamard_size=64, a_rounding="sr"))
-    plan = layer._plan(torch.device("cpu"), False, 64)
+    layer.calls = 1
+    plan = layer._plan(torch.device("cpu"))
     assert plan.fprop.a.hadamard_size == 64 and plan.fprop.a.rounding == "sr"
-    assert plan.fprop.a.sr_seed == mix_seeds(cfg.seed, layer.layer_id, 1, 0, 0)
+    assert plan.fprop.a.sr_seed.seed() == mix_seeds(cfg.seed, layer.layer_id, 1, 0, 0)
+
+
+@pytest.mark.parametrize("prefix,call,gemm,operand", [(12345, 7, 1, 0), (2**32 - 5, 2**33 + 3, 2, 1), (0, 0, 0, 0)])
+def test_device_stream_gives_the_int_seeds_bits(prefix, call, gemm, operand):
+    """An ``SRStream`` (the seed chain's state on the device) quantizes to the same bits as its
+    int seed, in the reference and in both Triton kernels, which derive the key from the state
+    themselves (a call count of two 32-bit words included)."""
+    from adahop.formats.rng import SRStream
+    from adahop.kernels.quantize import quantize_operand_triton
+    from adahop.kernels.quantize_both import quantize_both
+    from adahop.ops.operand import OperandSpec, quantize_operand
+
+    stream = SRStream(torch.tensor([prefix, call]), gemm, operand)
+    seed = mix_seeds_from(prefix, call, gemm, operand)
+    assert stream.seed() == seed
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(call % 1000))
+    for dim in (0, 1):
+        by_int = quantize_operand_triton(x, dim, rounding="sr", sr_seed=seed, hadamard_size=32)["mx"]
+        by_stream = quantize_operand_triton(x, dim, rounding="sr", sr_seed=stream, hadamard_size=32)["mx"]
+        ref = quantize_operand(x, dim, OperandSpec(rounding="sr", sr_seed=stream, hadamard_size=32))
+        assert torch.equal(by_int.codes, by_stream.codes) and torch.equal(by_int.codes, ref.codes)
+        assert torch.equal(by_int.scale_e8m0, by_stream.scale_e8m0)
+    by_int = quantize_both(x, dict(rounding="sr", sr_seed=seed), dict(rounding="sr", sr_seed=seed + 1))
+    by_stream = quantize_both(x, dict(rounding="sr", sr_seed=stream),
+                              dict(rounding="sr", sr_seed=seed + 1))
+    for a, b in zip(by_int, by_stream):
+        assert torch.equal(a["e4m3"].view(torch.uint8), b["e4m3"].view(torch.uint8))
+
+
+def test_stream_refuses_a_bad_state():
+    from adahop.formats.rng import SRStream
+
+    with pytest.raises(ValueError, match="int64 tensor of shape"):
+        SRStream(torch.zeros(2, dtype=torch.int32), 0, 0)
+    with pytest.raises(ValueError, match="GEMM 0-2"):
+        SRStream(torch.zeros(2, dtype=torch.int64), 3, 0)

@@ -22,246 +22,66 @@ the k high-precision columns of x where wgrad uses OE-right (chosen in the forwa
 column norms). The weight is re-quantized along N in the backward from the parameter, which is
 alive anyway: saving a second quantized copy would cost memory for nothing.
 
+The GEMMs run as two custom ops (``layer_ops``: ``adahop::linear_forward`` / ``linear_backward``),
+which ``torch.compile`` traces without a graph break.
+
 During calibration (adaptive recipes, training mode, grad enabled) every GEMM runs in high
 precision while x and w are classified in the forward and g in the backward; after
 ``calibration_steps`` backward passes the layer votes its patterns, the policy picks the modes,
-and they are frozen (and saved in the state_dict as extra state).
+and they are frozen (and saved in the state_dict as extra state). Calibration runs eagerly (it
+reads its statistics back to the host each step): a compiled model breaks its graph at a
+calibrating layer, and compiles once more, without breaks, when the modes freeze.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 import zlib
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from adahop.config import AdaHOPConfig, GemmConfig
-from adahop.formats.mxfp4 import MXFP4Tensor
+from adahop.config import AdaHOPConfig
 from adahop.formats.rng import mix_seeds, mix_seeds_from
-from adahop.ops.backends import get_backend
-from adahop.ops.operand import OperandSpec
+from adahop.layer_ops import (  # noqa: F401  (GemmPlan, LayerPlan, make_gemm_plan, mxfp4_gemm: public here)
+    GEMM_INDEX,
+    PLAIN_MODES,
+    GemmPlan,
+    LayerPlan,
+    layer_plan,
+    make_gemm_plan,
+    mxfp4_gemm,
+    numerics_key,
+)
 from adahop.patterns.calibration import LayerCalibration, observe_tensor
 from adahop.patterns.detect import check_patterns
 from adahop.policy import GEMMS, check_modes, table_policy
 
 EXTRA_STATE_VERSION = 1
-GEMM_INDEX = {g: i for i, g in enumerate(GEMMS)}
 
 
-@dataclass(frozen=True)
-class GemmPlan:
-    """One GEMM of one call: its mode and, for MXFP4 modes, how each operand is quantized."""
+class _CalibratingLinearFunction(torch.autograd.Function):
+    """A calibration step of one layer: the three GEMMs in high precision (the layer's bf16
+    modes, the same operations as ``layer_ops`` runs for them), x and w observed in the forward,
+    g in the backward, and the freeze after the last calibration step's backward."""
 
-    mode: str
-    a: OperandSpec | None
-    b: OperandSpec | None
-    oe_k: int
-
-    @property
-    def quantized(self) -> bool:
-        return self.mode != "bf16"
-
-
-def make_gemm_plan(mode: str, cfg: GemmConfig, *, sr_seeds: tuple[int | None, int | None], signs_seed: int) -> GemmPlan:
-    if mode == "bf16":
-        return GemmPlan(mode, None, None, cfg.oe_k)
-    iht = mode.startswith("iht")
-    common = dict(
-        block_size=cfg.block_size,
-        scale_mode=cfg.scale_mode,
-        hadamard_size=cfg.hadamard_size if iht else None,
-        signs_seed=signs_seed if (iht and cfg.random_signs) else None,
-    )
-    a = OperandSpec(rounding=cfg.a_rounding, sr_seed=sr_seeds[0], **common)
-    b = OperandSpec(rounding=cfg.b_rounding, sr_seed=sr_seeds[1], **common)
-    return GemmPlan(mode, a, b, cfg.oe_k)
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    fprop: GemmPlan
-    dgrad: GemmPlan
-    wgrad: GemmPlan
-    backend: object
-    layer: AdaHOPLinear | None = None  # set while calibrating: receives the observations
-    needs_backward: bool = True  # False under no_grad / inference: nothing is saved for wgrad
-
-
-# GEMM modes whose B operand is only quantized (no high-precision slice of it, no selection by
-# its norms): there the layer's weight (float32 under autocast) goes to the quantize kernel as it
-# is, with ``cast_to`` the compute dtype, and is rounded in the kernel's loads (``kernels.quantize``,
-# ``round_to_bf16``) instead of a cast kernel writing a bf16 copy that the quantize kernel reads.
-PLAIN_MODES = ("mxfp4", "iht")
-
-
-def mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=None, b_cols_hp=None, b_cols_idx=None,
-               a_q=None, a_norms=None, b_cast_to=None, out_dtype):
-    """One GEMM of a layer as its plan (``make_gemm_plan``) says, on ``backend``: C = A @ B with
-    both operands quantized to MXFP4 along the contraction (after the plan's Hadamard transform,
-    with its rounding and scale mode), the product in ``out_dtype``, and for the OE modes the
-    plan's ``oe_k`` outer slices computed in high precision.
-
-    A is given as 2-D ``a`` (contraction along ``a_dim``) and B's transpose as 2-D ``b``
-    (contraction along ``b_dim``): the NT form. OE slices are chosen, zeroed, computed in
-    high precision and written over the MXFP4 result (whose zeroed slices are exactly 0).
-
-    ``a_hp(rows)`` / ``b_hp`` give the high-precision matrices for OE; for wgrad's OE-right the
-    saved columns come in ``b_cols_hp`` with their indices ``b_cols_idx``. ``a_q``: A already
-    quantized (the backward's gradient: both orientations come from one kernel); ``a_norms``: the
-    L2 norms of A's rows, if that kernel summed them (for OE-left); ``b_cast_to``: B is
-    ``b.to(b_cast_to)`` (a plain mode's weight, cast by the quantize kernel)."""
-    rows_idx = cols_idx = None
-    if plan.mode == "iht+oe_left":
-        rows_idx = backend.select_outer(a, 1 - a_dim, plan.oe_k, norms=a_norms)
-    elif plan.mode == "iht+oe_right" and b_cols_idx is None:
-        cols_idx = backend.select_outer(b, 1 - b_dim, plan.oe_k)
-    if a_q is None:
-        a_q = backend.quantize(a, a_dim, plan.a, zero_outer=rows_idx)
-    # B may be the packed operand the forward saved (wgrad's x); mm_nt takes it as it is.
-    b_q = b if isinstance(b, MXFP4Tensor) else backend.quantize(b, b_dim, plan.b, zero_outer=cols_idx,
-                                                                cast_to=b_cast_to)
-    c = backend.mm_nt(a_q, b_q, out_dtype)
-    # The high-precision slices are GEMMs in the operands' dtype (bf16 under autocast), written
-    # into C in C's dtype (wgrad's C is the parameter's, float32: see the backward).
-    if rows_idx is not None:
-        c[rows_idx] = (a_hp(rows_idx) @ b_hp()).to(c.dtype)
-    if cols_idx is not None:
-        c[:, cols_idx] = (a_hp(None) @ b_hp()[:, cols_idx]).to(c.dtype)
-    if b_cols_idx is not None:
-        c[:, b_cols_idx] = (a_hp(None) @ b_cols_hp).to(c.dtype)
-    return c
-
-
-class _AdaHOPLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TK, weight, plan: LayerPlan):
-        # The parameter itself is saved and cast again in the backward: saving the cast copy
-        # (bf16 under autocast) would hold 2 bytes per weight for the whole step. A plain fprop
-        # mode casts it in its quantize kernel (PLAIN_MODES); the others use a cast copy.
-        fp, wg = plan.fprop, plan.wgrad
-        cast_in_kernel = plan.layer is None and fp.mode in PLAIN_MODES
-        w_NK = weight if cast_in_kernel else weight.to(x_TK.dtype)
-        backend = plan.backend
-        if plan.layer is not None:
-            plan.layer._observe("x", x_TK)
-            plan.layer._observe("w", w_NK)
-
-        x_fprop = x_saved = x_col_norms = None
-        if (fp.quantized and wg.quantized and plan.needs_backward
-                and getattr(backend, "quantize_and_pack", None) is not None):
-            # x is A of fprop (along K) and B of wgrad (along T, packed, saved): one call
-            # quantizes both orientations (one kernel from the same reads where that is faster),
-            # and gives the column norms that wgrad's OE-right ranks.
-            x_fprop, x_saved, x_col_norms = backend.quantize_and_pack(
-                x_TK, fp.a, wg.b, col_norms=wg.mode == "iht+oe_right")
-
-        # GEMM 1: fprop y_TN = x_TK @ w_NK^T, [T,K]@[K,N]->[T,N]; A = x (rows: tokens),
-        # B = w^T (columns: output features). Both quantized along K.
-        if not fp.quantized:
-            y_TN = x_TK @ w_NK.t()
-        else:
-            y_TN = mxfp4_gemm(
-                fp, backend, x_TK, 1, w_NK, 1,
-                a_hp=lambda idx: x_TK if idx is None else x_TK[idx],
-                b_hp=lambda: w_NK.t(),
-                a_q=x_fprop,
-                b_cast_to=x_TK.dtype if cast_in_kernel else None,
-                out_dtype=x_TK.dtype,
-            )
-            x_fprop = None  # freed
-
-        # What wgrad (dw_NK = g^T x) needs of x: x quantized along T, or x itself (nothing when
-        # no backward will run: evaluation would otherwise pay a quantization pass per layer).
-        ctx.wgrad_x_q = None
-        ctx.wgrad_cols = False
-        saved = [weight]
-        if not plan.needs_backward:
-            pass
-        elif not wg.quantized:
-            saved.append(x_TK)
-        else:
-            cols_idx = None
-            if wg.mode == "iht+oe_right":  # OE on B = x's columns (input features)
-                cols_idx = backend.select_outer(x_TK, 1, wg.oe_k, norms=x_col_norms)
-            x_q = x_saved if x_saved is not None else backend.quantize_packed(x_TK, 0, wg.b, zero_outer=cols_idx)
-            ctx.wgrad_x_q = (x_q.shape, x_q.dim, x_q.block_size)
-            saved += [x_q.codes, x_q.scale_e8m0]
-            if cols_idx is not None:
-                ctx.wgrad_cols = True
-                saved += [x_TK[:, cols_idx].contiguous(), cols_idx]
-        ctx.save_for_backward(*saved)
-        ctx.plan = plan
-        return y_TN
+    def forward(ctx, x_TK, weight, layer):
+        w_NK = weight.to(x_TK.dtype)
+        layer._observe("x", x_TK)
+        layer._observe("w", w_NK)
+        ctx.save_for_backward(x_TK, weight)
+        ctx.layer = layer
+        return x_TK @ w_NK.t()
 
     @staticmethod
     def backward(ctx, g_TN):
-        plan = ctx.plan
-        backend = plan.backend
+        x_TK, weight = ctx.saved_tensors
         g_TN = g_TN.contiguous()
-        saved = list(ctx.saved_tensors)
-        weight = saved.pop(0)
-        if plan.layer is not None:
-            plan.layer._observe("g", g_TN)
-        dx_TK = dw_NK = None
-        g_dgrad = g_wgrad = g_row_norms = None
-        if (ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and plan.dgrad.quantized
-                and plan.wgrad.quantized and getattr(backend, "quantize_both", None) is not None):
-            # g is A of both backward GEMMs (along N for dgrad, along T for wgrad): one kernel
-            # quantizes both orientations from the same reads, and sums the row norms that
-            # dgrad's OE-left ranks.
-            g_dgrad, g_wgrad, g_row_norms = backend.quantize_both(
-                g_TN, plan.dgrad.a, plan.wgrad.a, row_norms=plan.dgrad.mode == "iht+oe_left")
-
-        # GEMM 2: dgrad dx_TK = g_TN @ w_NK, [T,N]@[N,K]->[T,K]; A = g (rows: tokens, quantized
-        # along N), B = w (columns: input features, quantized along N = dim 0 of w).
-        if ctx.needs_input_grad[0]:
-            dg = plan.dgrad
-            cast_in_kernel = dg.mode in PLAIN_MODES  # as in the forward
-            w_NK = weight if cast_in_kernel else weight.to(g_TN.dtype)
-            if not dg.quantized:
-                dx_TK = g_TN @ w_NK
-            else:
-                dx_TK = mxfp4_gemm(
-                    dg, backend, g_TN, 1, w_NK, 0,
-                    a_hp=lambda idx: g_TN if idx is None else g_TN[idx],
-                    b_hp=lambda: w_NK,
-                    a_q=g_dgrad,
-                    a_norms=g_row_norms,
-                    b_cast_to=g_TN.dtype if cast_in_kernel else None,
-                    out_dtype=g_TN.dtype,
-                )
-                g_dgrad = None  # freed before wgrad
-
-        # GEMM 3: wgrad dw_NK = g_TN^T @ x_TK, [N,T]@[T,K]->[N,K]; A = g^T (quantized along T =
-        # dim 0 of g), B = x (columns: input features; quantized along T in the forward).
-        if ctx.needs_input_grad[1]:
-            wg = plan.wgrad
-            if not wg.quantized:
-                x_TK = saved.pop(0)
-                dw_NK = g_TN.t() @ x_TK
-            else:
-                shape, dim, block = ctx.wgrad_x_q
-                x_q = MXFP4Tensor(saved.pop(0), saved.pop(0), shape, dim, block)
-                cols_hp = cols_idx = None
-                if ctx.wgrad_cols:
-                    cols_hp, cols_idx = saved.pop(0), saved.pop(0)
-                # OE-left of wgrad (rows of g^T) needs x in high precision: the policy never
-                # asks for it (check_modes refuses it). The MXFP4 GEMM writes dw in the
-                # parameter's dtype (float32 master weights under autocast): its fp32
-                # accumulation is kept rather than rounded to bf16, and autograd has no cast
-                # to make (0.18 ms at (14336, 4096) on the H200).
-                dw_NK = mxfp4_gemm(
-                    wg, backend, g_TN, 0, x_q, 0,
-                    a_hp=lambda idx: g_TN.t(),
-                    b_cols_hp=cols_hp, b_cols_idx=cols_idx,
-                    a_q=g_wgrad,
-                    out_dtype=weight.dtype,
-                )
-        if plan.layer is not None:
-            plan.layer._after_calibration_step()
+        ctx.layer._observe("g", g_TN)
+        dx_TK = g_TN @ weight.to(g_TN.dtype) if ctx.needs_input_grad[0] else None
+        dw_NK = g_TN.t() @ x_TK if ctx.needs_input_grad[1] else None
+        ctx.layer._after_calibration_step()
         return dx_TK, dw_NK, None
 
 
@@ -279,21 +99,52 @@ class AdaHOPLinear(nn.Linear):
                  config: AdaHOPConfig | None = None, name: str = ""):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         config = AdaHOPConfig() if config is None else config
-        if not isinstance(config, AdaHOPConfig):
-            raise ValueError(f"config must be an AdaHOPConfig, got {type(config).__name__}")
-        self.config = config
         self.layer_name = name
         self.layer_id = zlib.crc32(name.encode())  # stable across processes (unlike hash())
-        self.calls = 0
+        # The stochastic-rounding chain on the device, int64 [prefix, call]: prefix =
+        # mix_seeds(config.seed, layer_id), call = the training forwards so far (formats.rng.SRStream;
+        # not in the state_dict as a tensor: its call count is part of the extra state).
+        self.register_buffer("rng_state", torch.zeros(2, dtype=torch.int64, device=device), persistent=False)
+        self.config = config  # (sets rng_state's prefix)
         self.calibration = LayerCalibration() if config.adaptive else None
         self.patterns: dict | None = None
         self.modes: dict | None = None if config.adaptive else config.fixed_modes()
         # False: the layer does not freeze itself when calibration ends; the caller merges the
         # observations first (e.g. across data-parallel ranks) and calls finish_calibration.
         self.freeze_when_calibrated = True
-        self._oe_clamp_warned = False
-        self._static_plan = None  # (config, key, seed chain prefix, GEMM plans without SR seeds): _plan
         self._register_load_state_dict_pre_hook(self._fill_missing_extra_state, with_module=False)
+
+    @property
+    def config(self) -> AdaHOPConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: AdaHOPConfig) -> None:
+        if not isinstance(config, AdaHOPConfig):
+            raise ValueError(f"config must be an AdaHOPConfig, got {type(config).__name__}")
+        self.__dict__["_config"] = config
+        if self.rng_state.device.type != "meta":
+            self.rng_state[0] = mix_seeds(config.seed, self.layer_id)
+        self._refresh_numerics()
+
+    @property
+    def modes(self) -> dict | None:
+        """Each GEMM's frozen mode; None while calibrating."""
+        return self._modes
+
+    @modes.setter
+    def modes(self, modes: dict | None) -> None:
+        self.__dict__["_modes"] = None if modes is None else dict(modes)
+        self._refresh_numerics()
+
+    @property
+    def calls(self) -> int:
+        """Training forwards so far (they seed stochastic rounding); reads the device counter."""
+        return int(self.rng_state[1])
+
+    @calls.setter
+    def calls(self, value: int) -> None:
+        self.rng_state[1] = int(value)
 
     @classmethod
     def from_float(cls, mod: nn.Linear, *, config: AdaHOPConfig, name: str = "") -> AdaHOPLinear:
@@ -304,6 +155,8 @@ class AdaHOPLinear(nn.Linear):
             new = cls(mod.in_features, mod.out_features, bias=mod.bias is not None, config=config, name=name)
         new.weight = mod.weight
         new.bias = mod.bias
+        new.rng_state = torch.zeros(2, dtype=torch.int64, device=mod.weight.device)
+        new.config = config  # the prefix, now on a real device
         new.train(mod.training)
         return new
 
@@ -341,73 +194,27 @@ class AdaHOPLinear(nn.Linear):
         self.modes, self.patterns = modes, patterns
 
     # ---- forward -------------------------------------------------------------------------------
-    def _plan(self, device: torch.device, observe: bool, tokens: int, needs_backward: bool = True) -> LayerPlan:
-        modes = self._BF16_MODES if self.calibrating else self.modes
-        call = self.calls
-        if needs_backward:  # forwards without a backward (evaluation) leave the SR sequence alone
-            # (a plain attribute: written past nn.Module.__setattr__'s checks, once per forward)
-            self.__dict__["calls"] = call + 1
-        # SR seeds = mix_seeds(seed, layer_id, call, gemm, operand); signs seeds = mix_seeds(seed,
-        # layer_id, gemm, 2), fixed per layer and GEMM. What does not depend on the call (the
-        # chain's fixed prefix, the signs seeds, the plans of GEMMs without SR) is made once per
-        # (config, layer, modes); an operand without SR gets no seed (RNE draws nothing). The
-        # config is frozen: a new one (``layer.config = ...``) is a new object.
-        key = (self.layer_id, tuple(modes[g] for g in GEMMS))
-        static = self._static_plan
-        if static is None or static[0] is not self.config or static[1] != key:
-            static = self._static_plan = (self.config, key, *self._make_static_plan(modes))
-        _, _, prefix, templates = static
-        call_state = None
-        plans = []
-        for _gemm, gi, template in templates:
-            if template.quantized and (template.a.rounding == "sr" or template.b.rounding == "sr"):
-                if call_state is None:
-                    call_state = mix_seeds_from(prefix, call)
-                a, b = template.a, template.b
-                if a.rounding == "sr":
-                    a = dataclasses.replace(a, sr_seed=mix_seeds_from(call_state, gi, 0))
-                if b.rounding == "sr":
-                    b = dataclasses.replace(b, sr_seed=mix_seeds_from(call_state, gi, 1))
-                template = GemmPlan(template.mode, a, b, template.oe_k)
-            plans.append(template)
-        if not self._oe_clamp_warned:
-            self._warn_oe_clamp(modes, tokens)
-        return LayerPlan(
-            *plans,
-            backend=get_backend(self.config.backend, device),
-            layer=self if observe else None,
-            needs_backward=needs_backward,
-        )
+    def _refresh_numerics(self) -> None:
+        """Make the ops' description of this layer's GEMMs (``layer_ops.numerics_key``) for the
+        current config and modes. It is made here, when either changes, and not in the forward,
+        so that a compiled forward only reads it (a string, guarded as a constant). Random-sign
+        seeds are mix_seeds(seed, layer_id, gemm, 2): fixed per layer and GEMM, and part of the
+        key only where a GEMM uses them."""
+        config, modes = self.__dict__.get("_config"), self.__dict__.get("_modes")
+        if config is None:
+            return
+        modes = self._BF16_MODES if modes is None else modes
+        prefix = mix_seeds(config.seed, self.layer_id)
+        signs = tuple(mix_seeds_from(prefix, GEMM_INDEX[g], 2) if config.gemm(g).random_signs else None
+                      for g in GEMMS)
+        self.__dict__["_numerics"] = numerics_key(config, modes, signs)
+
+    def _plan(self, device: torch.device, needs_backward: bool = True) -> LayerPlan:
+        """The plan of the next call (its SR seeds read the current counter): for inspection;
+        the forward passes the same through the ops."""
+        return layer_plan(self._numerics, self.rng_state.clone(), device, needs_backward)
 
     _BF16_MODES = {g: "bf16" for g in GEMMS}
-
-    def _make_static_plan(self, modes: dict) -> tuple:
-        """The chain prefix of the SR seeds and, per GEMM, its plan without SR seeds."""
-        prefix = mix_seeds(self.config.seed, self.layer_id)
-        templates = []
-        for gemm in GEMMS:
-            gi = GEMM_INDEX[gemm]
-            signs_seed = mix_seeds_from(prefix, gi, 2)
-            plan = make_gemm_plan(modes[gemm], self.config.gemm(gemm), sr_seeds=(None, None), signs_seed=signs_seed)
-            templates.append((gemm, gi, plan))
-        return prefix, tuple(templates)
-
-    def _warn_oe_clamp(self, modes: dict, tokens: int) -> None:
-        outer = {  # size of the outer dim OE selects from, per (gemm, mode)
-            ("fprop", "iht+oe_left"): tokens, ("fprop", "iht+oe_right"): self.out_features,
-            ("dgrad", "iht+oe_left"): tokens, ("dgrad", "iht+oe_right"): self.in_features,
-            ("wgrad", "iht+oe_right"): self.in_features,
-        }
-        for gemm in GEMMS:
-            size = outer.get((gemm, modes[gemm]))
-            k = self.config.gemm(gemm).oe_k
-            if size is not None and k >= size and not self._oe_clamp_warned:
-                self._oe_clamp_warned = True
-                warnings.warn(
-                    f"{self.layer_name or 'AdaHOPLinear'}: {gemm} OE k={k} >= the dim it selects "
-                    f"from ({size}): k is clamped, so that GEMM runs entirely in high precision",
-                    stacklevel=4,
-                )
 
     @property
     def runs_plain_linear(self) -> bool:
@@ -426,26 +233,35 @@ class AdaHOPLinear(nn.Linear):
             return nn.functional.linear(x, self.weight, self.bias)
         return self._forward_adahop(x)
 
-    # torch.compile does not trace the quantized path: it calls Triton kernels through their own
-    # launcher, draws stochastic-rounding seeds from a host counter and calibrates on the host.
-    # A compiled model (``train.compile.compile_blocks``) runs it eagerly between its compiled
-    # parts (a graph break at each such layer).
-    @torch.compiler.disable
     def _forward_adahop(self, x: torch.Tensor) -> torch.Tensor:
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
         else:
             dtype = x.dtype
-        observe = self.calibrating and self.training and torch.is_grad_enabled()
         x_TK = x.reshape(-1, self.in_features).to(dtype)
         needs_backward = torch.is_grad_enabled() and (x_TK.requires_grad or self.weight.requires_grad)
-        plan = self._plan(x.device, observe, x_TK.shape[0], needs_backward)
         with torch.autocast(device_type, enabled=False):
-            y = _AdaHOPLinearFunction.apply(x_TK, self.weight, plan)
+            if self.calibrating and self.training and torch.is_grad_enabled():
+                y = self._calibration_step(x_TK, needs_backward)
+            else:
+                # The call's SR chain state; a forward with a backward advances the counter
+                # (evaluation leaves the SR sequence alone). The copy is what this call's
+                # backward reads.
+                rng_state = self.rng_state.clone()
+                if needs_backward:
+                    self.rng_state[1] += 1
+                y = torch.ops.adahop.linear_forward(x_TK, self.weight, rng_state, self._numerics, needs_backward)[0]
             if self.bias is not None:
                 y = y + self.bias.to(dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    @torch.compiler.disable
+    def _calibration_step(self, x_TK: torch.Tensor, needs_backward: bool) -> torch.Tensor:
+        """A calibration forward (eager: its observations are read on the host)."""
+        if needs_backward:
+            self.rng_state[1] += 1
+        return _CalibratingLinearFunction.apply(x_TK, self.weight, self)
 
     # ---- state ---------------------------------------------------------------------------------
     def get_extra_state(self) -> dict:

@@ -105,3 +105,30 @@ def mix_seeds_from(state: int, *values: int) -> int:
                 break
         h = _lowbias32_int(h ^ words)
     return h
+
+
+class SRStream:
+    """The stochastic-rounding seed of one operand of one GEMM of one layer call, held on the
+    device: ``mix_seeds_from(prefix, call, gemm, operand)`` with ``state`` an int64 tensor
+    ``[prefix, call]`` (the layer's chain prefix and its call counter; ``AdaHOPLinear``). The
+    Triton kernels derive the seed from ``state`` themselves (``kernels.quantize``,
+    ``_sr_key_from_state``), so nothing is read back to the host and a CUDA graph replayed with a
+    new counter draws new bits; the reference reads it (``seed``). It stands where an int seed
+    would (``OperandSpec.sr_seed``) and gives the same bits as that int."""
+
+    __slots__ = ("state", "gemm", "operand")
+
+    def __init__(self, state: torch.Tensor, gemm: int, operand: int):
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.int64 or state.shape != (2,):
+            raise ValueError(f"an SRStream's state is an int64 tensor of shape (2,), got {state!r}")
+        if gemm not in (0, 1, 2) or operand not in (0, 1):
+            raise ValueError(f"an SRStream names GEMM 0-2 and operand 0-1, got {gemm}, {operand}")
+        self.state, self.gemm, self.operand = state, gemm, operand
+
+    def seed(self) -> int:
+        """The seed as an int (reads ``state``: a device sync on a GPU)."""
+        prefix, call = (int(v) for v in self.state.tolist())
+        return mix_seeds_from(prefix, call, self.gemm, self.operand)
+
+    def __repr__(self) -> str:
+        return f"SRStream(gemm={self.gemm}, operand={self.operand})"

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from adahop.formats.mxfp4 import MXFP4Tensor
-from adahop.formats.rng import _lowbias32_int
+from adahop.formats.rng import SRStream, _lowbias32_int
 from adahop.kernels.launch import (
     INTERPRETED,
     FastLauncher,
@@ -271,13 +271,29 @@ def _load_row_exponent(epart_ptr, rows, row_ok):
     return tl.load(epart_ptr + rows.to(tl.int64) * 16, mask=row_ok, other=0).to(tl.int32) - 127
 
 
+@triton.jit
+def _sr_key_from_state(state_ptr, stream):
+    """The SR key of ``formats.rng.SRStream``: the seed ``mix_seeds_from(prefix, call, gemm,
+    operand)`` from ``state = [prefix, call]`` (int64, on the device) and ``stream = 2 * gemm +
+    operand``, then ``sr_key`` of it; the host's chain (``formats.rng``), word for word, so the
+    bits are those of the int seed."""
+    prefix = tl.load(state_ptr).to(tl.uint32)
+    call = tl.load(state_ptr + 1)
+    hi = (call >> 32).to(tl.uint32)
+    h = lowbias32(prefix ^ call.to(tl.uint32))
+    h = tl.where(hi == 0, lowbias32(h ^ 1), lowbias32(lowbias32(h ^ hi) ^ 2))  # the call: 1 or 2 words
+    h = lowbias32(lowbias32(h ^ (stream >> 1).to(tl.uint32)) ^ 1)
+    h = lowbias32(lowbias32(h ^ (stream & 1).to(tl.uint32)) ^ 1)
+    return lowbias32(h)  # sr_key(seed) = lowbias32(lowbias32(0) ^ seed), lowbias32(0) = 0
+
+
 @triton.jit(do_not_specialize=["sr_key", "sign_key"])
 def _mxfp4_quantize_kernel(
     x_ptr, stride_r, stride_k,
     codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, rowscale_ptr, sumsq_ptr, epart_ptr,
-    R, K, KP, SPLIT_K, n_splits, sr_key, sign_key, norm,
+    R, K, KP, SPLIT_K, n_splits, sr_key, sr_state_ptr, sign_key, norm,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
-    SCALE_MODE: tl.constexpr, SR: tl.constexpr, SINGLE_CHUNK: tl.constexpr,
+    SCALE_MODE: tl.constexpr, SR: tl.constexpr, SR_FROM_STATE: tl.constexpr, SINGLE_CHUNK: tl.constexpr,
     WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr, WRITE_SUMSQ: tl.constexpr,
     NAN_BY_CAST: tl.constexpr, FWHT_INPLACE: tl.constexpr, ARITH_E2M1: tl.constexpr,
     PHASE: tl.constexpr, ROUND_BF16: tl.constexpr,
@@ -286,7 +302,12 @@ def _mxfp4_quantize_kernel(
     [s * SPLIT_K, (s + 1) * SPLIT_K) (SPLIT_K = KP: one range per row). PHASE 0 does everything
     (one chunk per row, or no e4m3 form); for the e4m3 form over several chunks, PHASE 1 writes
     each range's largest block exponent to ``epart`` [n_splits, R, 16] (uint8, biased) and
-    PHASE 2 takes the row maximum of those and emits."""
+    PHASE 2 takes the row maximum of those and emits.
+
+    SR: ``sr_key`` is the key, or with ``SR_FROM_STATE`` the stream ``2 * gemm + operand`` whose
+    key comes from the int64 ``[prefix, call]`` at ``sr_state_ptr`` (``_sr_key_from_state``)."""
+    if SR_FROM_STATE:
+        sr_key = _sr_key_from_state(sr_state_ptr, sr_key)
     pid = tl.program_id(0)
     sid = tl.program_id(1)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -392,11 +413,12 @@ def sr_key(seed: int) -> int:
 
 def operand_args(
     K: int, *, block_size: int = 32, scale_mode: str = "even", rounding: str = "rne",
-    hadamard_size: int | None = None, signs_seed: int | None = None, sr_seed: int | None = None,
+    hadamard_size: int | None = None, signs_seed: int | None = None, sr_seed: int | SRStream | None = None,
 ) -> dict:
     """The numerics of one quantized operand as kernel arguments, checked: the padded length
     ``KP`` of a K-long row (a multiple of ``align`` = max(32, Hadamard size)), the Hadamard's
-    ``log2_h`` and ``norm``, the random-sign and SR keys, the scale-mode id. Shared by
+    ``log2_h`` and ``norm``, the random-sign and SR keys (an ``SRStream`` seed: its stream id and
+    state tensor, the key is derived in the kernel), the scale-mode id. Shared by
     ``quantize_operand_triton`` and ``kernels.quantize_both``."""
     if block_size != 32:
         raise ValueError(f"the Triton kernels implement MX blocks of 32, got block_size={block_size}")
@@ -409,12 +431,15 @@ def operand_args(
     if hadamard_size is not None and hadamard_size not in HADAMARD_NORM:
         raise ValueError(f"hadamard_size must be one of {sorted(HADAMARD_NORM)} or None, got {hadamard_size!r}")
     align = max(32, hadamard_size or 1)
+    from_state = rounding == "sr" and isinstance(sr_seed, SRStream)
     return dict(
         KP=-(-K // align) * align, align=align, log2_h=(hadamard_size or 1).bit_length() - 1,
         norm=HADAMARD_NORM[hadamard_size] if hadamard_size else 1.0,
         has_signs=signs_seed is not None,
         sign_key=as_int32(_lowbias32_int(signs_seed)) if signs_seed is not None else 0,
-        sr=rounding == "sr", sr_key=as_int32(sr_key(sr_seed)) if rounding == "sr" else 0,
+        sr=rounding == "sr", sr_from_state=from_state, sr_state=sr_seed.state if from_state else None,
+        sr_key=0 if rounding != "sr" else (2 * sr_seed.gemm + sr_seed.operand if from_state  # the stream
+                                           else as_int32(sr_key(sr_seed))),
         scale_mode=SCALE_MODE_IDS[scale_mode],
     )
 
@@ -428,7 +453,7 @@ def quantize_operand_triton(
     rounding: str = "rne",
     hadamard_size: int | None = None,
     signs_seed: int | None = None,
-    sr_seed: int | None = None,
+    sr_seed: int | SRStream | None = None,
     packed: bool = True,
     e4m3: bool = False,
     sumsq: bool = False,
@@ -501,11 +526,12 @@ def quantize_operand_triton(
         codes if packed else dummy, scales if packed else dummy,
         e4 if e4m3 else dummy, nan_bytes_view(e4) if e4m3 else dummy,
         rs if e4m3 else dummy, ss if sumsq else dummy, epart if two_phase else dummy,
-        R, K, KP, split_k, k_splits, op["sr_key"], op["sign_key"], op["norm"],
+        R, K, KP, split_k, k_splits, op["sr_key"], dummy if op["sr_state"] is None else op["sr_state"],
+        op["sign_key"], op["norm"],
     )
     meta = dict(
         BLOCK_R=block_r, BLOCK_K=block_k, LOG2_H=op["log2_h"], HAS_SIGNS=op["has_signs"],
-        SCALE_MODE=op["scale_mode"], SR=op["sr"], SINGLE_CHUNK=single,
+        SCALE_MODE=op["scale_mode"], SR=op["sr"], SR_FROM_STATE=op["sr_from_state"], SINGLE_CHUNK=single,
         WRITE_PACKED=packed, WRITE_E4M3=e4m3, WRITE_SUMSQ=sumsq,
         NAN_BY_CAST=not INTERPRETED,
         FWHT_INPLACE=fwht_inplace, ARITH_E2M1=arith_e2m1, ROUND_BF16=round_to_bf16,

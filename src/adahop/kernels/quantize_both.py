@@ -50,6 +50,7 @@ from adahop.kernels.mxfp4_math import pow2
 from adahop.kernels.quantize import (
     _blocks,
     _emit_chunk,
+    _sr_key_from_state,
     _store_row_exponent,
     _transform,
     operand_args,
@@ -61,17 +62,24 @@ def _quantize_both_kernel(
     x_ptr, stride_r, stride_c, R, C, RP, CP,
     e4a_ptr, e4a_bits_ptr, rsa_ptr, parta_ptr, emaxa_ptr, ssa_ptr,
     e4b_ptr, e4b_bits_ptr, rsb_ptr, partb_ptr, emaxb_ptr, ssb_ptr, codes_b_ptr, scales_b_ptr,
-    sr_key_a, sr_key_b, sign_key_a, sign_key_b, norm_a, norm_b,
+    sr_key_a, sr_key_b, sr_state_a_ptr, sr_state_b_ptr, sign_key_a, sign_key_b, norm_a, norm_b,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     LOG2_HA: tl.constexpr, LOG2_HB: tl.constexpr, HAS_SIGNS_A: tl.constexpr, HAS_SIGNS_B: tl.constexpr,
     SCALE_MODE_A: tl.constexpr, SCALE_MODE_B: tl.constexpr, SR_A: tl.constexpr, SR_B: tl.constexpr,
+    SR_FROM_STATE_A: tl.constexpr, SR_FROM_STATE_B: tl.constexpr,
     NAN_BY_CAST: tl.constexpr, PHASE: tl.constexpr, B_PACKED: tl.constexpr,
     SUMSQ_A: tl.constexpr, SUMSQ_B: tl.constexpr,
 ):
     """Program (i, j) owns rows [i * BLOCK_R, ...) and columns [j * BLOCK_C, ...) of x. Orientation
     A: rows of x, quantized along C (K = CP); orientation B: columns of x, quantized along R
     (K = RP), in the e4m3 form or, with ``B_PACKED``, the packed form (emitted in PHASE 1).
-    ``SUMSQ_A`` / ``SUMSQ_B`` (PHASE 1): this tile's sums of squares of x's rows / columns."""
+    ``SUMSQ_A`` / ``SUMSQ_B`` (PHASE 1): this tile's sums of squares of x's rows / columns.
+    ``SR_FROM_STATE_*``: that orientation's SR key comes from its device-side state, as in
+    ``kernels.quantize``."""
+    if SR_FROM_STATE_A:
+        sr_key_a = _sr_key_from_state(sr_state_a_ptr, sr_key_a)
+    if SR_FROM_STATE_B:
+        sr_key_b = _sr_key_from_state(sr_state_b_ptr, sr_key_b)
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -242,12 +250,14 @@ def quantize_both(x: torch.Tensor, along_cols: dict, along_rows: dict, *, rows_f
         x, x.stride(0), x.stride(1), R, C, RP, CP,
         e4a, nan_bytes_view(e4a), rsa, parta, emaxa, ssa,
         e4b, dummy if packed else nan_bytes_view(e4b), rsb, partb, emaxb, ssb, codes_b, scales_b,
-        a["sr_key"], b["sr_key"], a["sign_key"], b["sign_key"], a["norm"], b["norm"],
+        a["sr_key"], b["sr_key"], dummy if a["sr_state"] is None else a["sr_state"],
+        dummy if b["sr_state"] is None else b["sr_state"], a["sign_key"], b["sign_key"], a["norm"], b["norm"],
     )
     meta = dict(
         BLOCK_R=block_r, BLOCK_C=block_c, LOG2_HA=a["log2_h"], LOG2_HB=b["log2_h"],
         HAS_SIGNS_A=a["has_signs"], HAS_SIGNS_B=b["has_signs"], SCALE_MODE_A=a["scale_mode"],
         SCALE_MODE_B=b["scale_mode"], SR_A=a["sr"], SR_B=b["sr"],
+        SR_FROM_STATE_A=a["sr_from_state"], SR_FROM_STATE_B=b["sr_from_state"],
         NAN_BY_CAST=not INTERPRETED, B_PACKED=packed, num_warps=num_warps,
     )
     _QUANTIZE_BOTH[grid](*args, PHASE=1, SUMSQ_A=row_norms, SUMSQ_B=col_norms, **meta)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from adahop.formats.mxfp4 import MXFP4Tensor, pad_to_multiple, quantize_mxfp4
+from adahop.formats.rng import SRStream
 from adahop.transforms.hadamard import block_hadamard, random_signs
 
 
@@ -33,7 +34,8 @@ class OperandSpec:
     rounding: str = "rne"
     hadamard_size: int | None = None  # None: no transform (naive MXFP4)
     signs_seed: int | None = None  # random +-1 signs before the Hadamard (Tseng et al.)
-    sr_seed: int | None = None  # seed of stochastic rounding (required for rounding="sr")
+    # seed of stochastic rounding (required for rounding="sr"): an int, or an SRStream (on the device)
+    sr_seed: int | SRStream | None = None
 
     @property
     def alignment(self) -> int:
@@ -63,7 +65,7 @@ def quantize_operand(x: torch.Tensor, dim: int, spec: OperandSpec) -> MXFP4Tenso
         block_size=spec.block_size,
         scale_mode=spec.scale_mode,
         rounding=spec.rounding,
-        seed=spec.sr_seed,
+        seed=spec.sr_seed.seed() if isinstance(spec.sr_seed, SRStream) else spec.sr_seed,
     )
     # Record the caller's orientation: codes are [outer, K_padded/2] either way.
     shape = x.shape

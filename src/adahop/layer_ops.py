@@ -1,0 +1,411 @@
+"""The three GEMMs of an AdaHOP linear layer as two ``torch.library`` custom ops, so that
+``torch.compile`` traces a converted model whole (no graph break at a quantized layer) and a
+CUDA graph can replay it.
+
+Shapes (suffixes name the dims): x_TK activation (T tokens, K in features), w_NK weight, g_TN
+output gradient, y_TN output, dx_TK, dw_NK.
+
+    GEMM 1 fprop  y_TN  = x_TK  @ w_NK^T     contraction K
+    GEMM 2 dgrad  dx_TK = g_TN  @ w_NK       contraction N
+    GEMM 3 wgrad  dw_NK = g_TN^T @ x_TK      contraction T
+
+``adahop::linear_forward(x, weight, rng_state, numerics, needs_backward)`` runs fprop and returns
+y with what wgrad will need of x (x quantized along T, and the OE columns); ``adahop::
+linear_backward`` runs dgrad and wgrad. ``torch.library.register_autograd`` ties them together,
+so autograd, Dynamo and AOTAutograd see one opaque forward and one opaque backward per layer,
+with fake (meta) implementations that give the output shapes without running anything.
+
+Why one op per direction, not one per quantize / GEMM / top-k: what runs between those kernels
+(the OE slices' high-precision GEMMs and their writes into C, a cast) is small and needs no
+fusion, while one op per direction keeps the schema a single description of the layer's
+numerics, checked once (``numerics_key``), and gives Inductor nothing to re-order that could
+change the bits. The host cost of the launches inside an op is what CUDA graphs remove.
+
+Arguments:
+
+* ``numerics``: a string (``numerics_key``) that says, for each GEMM, its mode and how each
+  operand is quantized (block, scale mode, rounding, Hadamard size, random-sign seed, OE k), and
+  which backend runs it. Layers with the same settings share it (and the compiled code);
+* ``rng_state``: int64 ``[prefix, call]``, the layer's stochastic-rounding chain on the device
+  (``formats.rng.SRStream``): each SR operand's seed is ``mix_seeds_from(prefix, call, gemm,
+  operand)``, derived inside the kernels, so no seed is read back to the host and each replay of
+  a graph draws new bits from the counter it finds.
+
+The ops' implementations are the layer's numerics as documented in docs/method.md ('The three
+GEMMs of a linear layer', 'Outlier extraction (OE)'); ``ops.backends`` runs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from adahop.config import AdaHOPConfig
+from adahop.formats.mxfp4 import MXFP4Tensor
+from adahop.formats.rng import SRStream
+from adahop.ops.backends import get_backend
+from adahop.ops.operand import OperandSpec
+from adahop.policy import GEMMS
+
+GEMM_INDEX = {g: i for i, g in enumerate(GEMMS)}
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """One GEMM of one call: its mode and, for MXFP4 modes, how each operand is quantized."""
+
+    mode: str
+    a: OperandSpec | None
+    b: OperandSpec | None
+    oe_k: int
+
+    @property
+    def quantized(self) -> bool:
+        return self.mode != "bf16"
+
+
+def make_gemm_plan(mode: str, cfg, *, sr_seeds: tuple, signs_seed: int | None) -> GemmPlan:
+    """The plan of one GEMM in ``mode`` with the settings of ``cfg`` (a ``GemmConfig``);
+    ``sr_seeds``: the SR seeds of A and B (ints, ``SRStream``s or None)."""
+    if mode == "bf16":
+        return GemmPlan(mode, None, None, cfg.oe_k)
+    iht = mode.startswith("iht")
+    common = dict(
+        block_size=cfg.block_size,
+        scale_mode=cfg.scale_mode,
+        hadamard_size=cfg.hadamard_size if iht else None,
+        signs_seed=signs_seed if (iht and cfg.random_signs) else None,
+    )
+    a = OperandSpec(rounding=cfg.a_rounding, sr_seed=sr_seeds[0], **common)
+    b = OperandSpec(rounding=cfg.b_rounding, sr_seed=sr_seeds[1], **common)
+    return GemmPlan(mode, a, b, cfg.oe_k)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    fprop: GemmPlan
+    dgrad: GemmPlan
+    wgrad: GemmPlan
+    backend: object
+    needs_backward: bool = True  # False under no_grad / inference: nothing is saved for wgrad
+
+
+# ---- the numerics key: the ops' one description of a layer's GEMMs ----------------------------
+def numerics_key(config: AdaHOPConfig, modes: dict, signs_seeds: tuple[int, int, int]) -> str:
+    """The ``numerics`` argument of the ops: the layer's modes, each GEMM's settings (from
+    ``config``, already checked by ``GemmConfig``) and random-sign seed, and the backend name."""
+    gemms = []
+    for gemm, signs in zip(GEMMS, signs_seeds):
+        cfg = dataclasses.asdict(config.gemm(gemm))
+        cfg["mode"] = modes[gemm]
+        cfg["signs_seed"] = signs
+        gemms.append(cfg)
+    return json.dumps({"backend": config.backend, "gemms": gemms}, sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class _GemmSettings:  # what make_gemm_plan reads of a GemmConfig
+    block_size: int
+    scale_mode: str
+    hadamard_size: int
+    random_signs: bool
+    a_rounding: str
+    b_rounding: str
+    oe_k: int
+
+
+@functools.lru_cache(maxsize=1024)
+def _templates(numerics: str) -> tuple[str, tuple[GemmPlan, ...]]:
+    """The backend name and the three GEMM plans of a numerics key, without SR seeds."""
+    d = json.loads(numerics)
+    plans = []
+    for g in d["gemms"]:
+        settings = _GemmSettings(**{f.name: g[f.name] for f in dataclasses.fields(_GemmSettings)})
+        plans.append(make_gemm_plan(g["mode"], settings, sr_seeds=(None, None), signs_seed=g["signs_seed"]))
+    return d["backend"], tuple(plans)
+
+
+def layer_plan(numerics: str, rng_state: torch.Tensor, device: torch.device, needs_backward: bool) -> LayerPlan:
+    """The plan of one call: the key's GEMM plans with each SR operand's seed an ``SRStream`` of
+    ``rng_state``."""
+    backend_name, templates = _templates(numerics)
+    plans = []
+    for gi, plan in enumerate(templates):
+        if plan.quantized and (plan.a.rounding == "sr" or plan.b.rounding == "sr"):
+            a, b = plan.a, plan.b
+            if a.rounding == "sr":
+                a = dataclasses.replace(a, sr_seed=SRStream(rng_state, gi, 0))
+            if b.rounding == "sr":
+                b = dataclasses.replace(b, sr_seed=SRStream(rng_state, gi, 1))
+            plan = GemmPlan(plan.mode, a, b, plan.oe_k)
+        plans.append(plan)
+    return LayerPlan(*plans, backend=get_backend(backend_name, device), needs_backward=needs_backward)
+
+
+# GEMM modes whose B operand is only quantized (no high-precision slice of it, no selection by
+# its norms): there the layer's weight (float32 under autocast) goes to the quantize kernel as it
+# is, with ``cast_to`` the compute dtype, and is rounded in the kernel's loads (``kernels.quantize``,
+# ``round_to_bf16``) instead of a cast kernel writing a bf16 copy that the quantize kernel reads.
+PLAIN_MODES = ("mxfp4", "iht")
+
+
+def mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=None, b_cols_hp=None, b_cols_idx=None,
+               a_q=None, a_norms=None, b_cast_to=None, out_dtype):
+    """One GEMM of a layer as its plan (``make_gemm_plan``) says, on ``backend``: C = A @ B with
+    both operands quantized to MXFP4 along the contraction (after the plan's Hadamard transform,
+    with its rounding and scale mode), the product in ``out_dtype``, and for the OE modes the
+    plan's ``oe_k`` outer slices computed in high precision.
+
+    A is given as 2-D ``a`` (contraction along ``a_dim``) and B's transpose as 2-D ``b``
+    (contraction along ``b_dim``): the NT form. OE slices are chosen, zeroed, computed in
+    high precision and written over the MXFP4 result (whose zeroed slices are exactly 0).
+
+    ``a_hp(rows)`` / ``b_hp`` give the high-precision matrices for OE; for wgrad's OE-right the
+    saved columns come in ``b_cols_hp`` with their indices ``b_cols_idx``. ``a_q``: A already
+    quantized (the backward's gradient: both orientations come from one kernel); ``a_norms``: the
+    L2 norms of A's rows, if that kernel summed them (for OE-left); ``b_cast_to``: B is
+    ``b.to(b_cast_to)`` (a plain mode's weight, cast by the quantize kernel)."""
+    rows_idx = cols_idx = None
+    if plan.mode == "iht+oe_left":
+        rows_idx = backend.select_outer(a, 1 - a_dim, plan.oe_k, norms=a_norms)
+    elif plan.mode == "iht+oe_right" and b_cols_idx is None:
+        cols_idx = backend.select_outer(b, 1 - b_dim, plan.oe_k)
+    if a_q is None:
+        a_q = backend.quantize(a, a_dim, plan.a, zero_outer=rows_idx)
+    # B may be the packed operand the forward saved (wgrad's x); mm_nt takes it as it is.
+    b_q = b if isinstance(b, MXFP4Tensor) else backend.quantize(b, b_dim, plan.b, zero_outer=cols_idx,
+                                                                cast_to=b_cast_to)
+    c = backend.mm_nt(a_q, b_q, out_dtype)
+    # The high-precision slices are GEMMs in the operands' dtype (bf16 under autocast), written
+    # into C in C's dtype (wgrad's C is the parameter's, float32: see the backward).
+    if rows_idx is not None:
+        c[rows_idx] = (a_hp(rows_idx) @ b_hp()).to(c.dtype)
+    if cols_idx is not None:
+        c[:, cols_idx] = (a_hp(None) @ b_hp()[:, cols_idx]).to(c.dtype)
+    if b_cols_idx is not None:
+        c[:, b_cols_idx] = (a_hp(None) @ b_cols_hp).to(c.dtype)
+    return c
+
+
+def _warn_oe_clamp(plan: LayerPlan, T: int, N: int, K: int) -> None:
+    outer = {  # size of the outer dim OE selects from, per (gemm, mode)
+        ("fprop", "iht+oe_left"): T, ("fprop", "iht+oe_right"): N,
+        ("dgrad", "iht+oe_left"): T, ("dgrad", "iht+oe_right"): K,
+        ("wgrad", "iht+oe_right"): K,
+    }
+    for gemm in GEMMS:
+        p = getattr(plan, gemm)
+        size = outer.get((gemm, p.mode))
+        if size is not None and p.oe_k >= size:
+            warnings.warn(
+                f"AdaHOPLinear [{T}, {K}] -> [{T}, {N}]: {gemm} OE k={p.oe_k} >= the dim it selects from "
+                f"({size}): k is clamped, so that GEMM runs entirely in high precision",
+                stacklevel=3,
+            )
+
+
+# ---- the two directions, as plain functions (the ops' implementations) --------------------------
+def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan):
+    """fprop, and what wgrad will need of x. Returns ``(y_TN, x_q, cols_hp, cols_idx)``: x_q is
+    x quantized along T (packed) where wgrad is quantized and a backward will run, else None;
+    ``cols_hp`` / ``cols_idx`` are the k columns of x that wgrad's OE-right computes in high
+    precision (chosen here from x's column norms), else None."""
+    # The parameter itself is saved and cast again in the backward: saving the cast copy
+    # (bf16 under autocast) would hold 2 bytes per weight for the whole step. A plain fprop
+    # mode casts it in its quantize kernel (PLAIN_MODES); the others use a cast copy.
+    fp, wg = plan.fprop, plan.wgrad
+    cast_in_kernel = fp.mode in PLAIN_MODES
+    w_NK = weight if cast_in_kernel else weight.to(x_TK.dtype)
+    backend = plan.backend
+    _warn_oe_clamp(plan, x_TK.shape[0], weight.shape[0], weight.shape[1])
+
+    x_fprop = x_saved = x_col_norms = None
+    if (fp.quantized and wg.quantized and plan.needs_backward
+            and getattr(backend, "quantize_and_pack", None) is not None):
+        # x is A of fprop (along K) and B of wgrad (along T, packed, saved): one call
+        # quantizes both orientations (one kernel from the same reads where that is faster),
+        # and gives the column norms that wgrad's OE-right ranks.
+        x_fprop, x_saved, x_col_norms = backend.quantize_and_pack(
+            x_TK, fp.a, wg.b, col_norms=wg.mode == "iht+oe_right")
+
+    # GEMM 1: fprop y_TN = x_TK @ w_NK^T, [T,K]@[K,N]->[T,N]; A = x (rows: tokens),
+    # B = w^T (columns: output features). Both quantized along K.
+    if not fp.quantized:
+        y_TN = x_TK @ w_NK.t()
+    else:
+        y_TN = mxfp4_gemm(
+            fp, backend, x_TK, 1, w_NK, 1,
+            a_hp=lambda idx: x_TK if idx is None else x_TK[idx],
+            b_hp=lambda: w_NK.t(),
+            a_q=x_fprop,
+            b_cast_to=x_TK.dtype if cast_in_kernel else None,
+            out_dtype=x_TK.dtype,
+        )
+        x_fprop = None  # freed
+
+    # What wgrad (dw_NK = g^T x) needs of x: x quantized along T, or (wgrad in bf16) x itself,
+    # which the autograd context saves from the op's input; nothing when no backward will run
+    # (evaluation would otherwise pay a quantization pass per layer).
+    x_q = cols_hp = cols_idx = None
+    if plan.needs_backward and wg.quantized:
+        if wg.mode == "iht+oe_right":  # OE on B = x's columns (input features)
+            cols_idx = backend.select_outer(x_TK, 1, wg.oe_k, norms=x_col_norms)
+        x_q = x_saved if x_saved is not None else backend.quantize_packed(x_TK, 0, wg.b, zero_outer=cols_idx)
+        if cols_idx is not None:
+            cols_hp = x_TK[:, cols_idx].contiguous()
+    return y_TN, x_q, cols_hp, cols_idx
+
+
+def backward_gemms(g_TN: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, *, needs_dx: bool, needs_dw: bool,
+                   x_TK=None, x_q=None, cols_hp=None, cols_idx=None):
+    """dgrad and wgrad. ``x_TK``: the activation (wgrad in bf16); ``x_q``, ``cols_hp``,
+    ``cols_idx``: what ``forward_gemms`` returned (wgrad quantized). Returns ``(dx_TK, dw_NK)``,
+    None where not asked."""
+    backend = plan.backend
+    g_TN = g_TN.contiguous()
+    dx_TK = dw_NK = None
+    g_dgrad = g_wgrad = g_row_norms = None
+    if (needs_dx and needs_dw and plan.dgrad.quantized and plan.wgrad.quantized
+            and getattr(backend, "quantize_both", None) is not None):
+        # g is A of both backward GEMMs (along N for dgrad, along T for wgrad): one kernel
+        # quantizes both orientations from the same reads, and sums the row norms that
+        # dgrad's OE-left ranks.
+        g_dgrad, g_wgrad, g_row_norms = backend.quantize_both(
+            g_TN, plan.dgrad.a, plan.wgrad.a, row_norms=plan.dgrad.mode == "iht+oe_left")
+
+    # GEMM 2: dgrad dx_TK = g_TN @ w_NK, [T,N]@[N,K]->[T,K]; A = g (rows: tokens, quantized
+    # along N), B = w (columns: input features, quantized along N = dim 0 of w).
+    if needs_dx:
+        dg = plan.dgrad
+        cast_in_kernel = dg.mode in PLAIN_MODES  # as in the forward
+        w_NK = weight if cast_in_kernel else weight.to(g_TN.dtype)
+        if not dg.quantized:
+            dx_TK = g_TN @ w_NK
+        else:
+            dx_TK = mxfp4_gemm(
+                dg, backend, g_TN, 1, w_NK, 0,
+                a_hp=lambda idx: g_TN if idx is None else g_TN[idx],
+                b_hp=lambda: w_NK,
+                a_q=g_dgrad,
+                a_norms=g_row_norms,
+                b_cast_to=g_TN.dtype if cast_in_kernel else None,
+                out_dtype=g_TN.dtype,
+            )
+            g_dgrad = None  # freed before wgrad
+
+    # GEMM 3: wgrad dw_NK = g_TN^T @ x_TK, [N,T]@[T,K]->[N,K]; A = g^T (quantized along T =
+    # dim 0 of g), B = x (columns: input features; quantized along T in the forward).
+    if needs_dw:
+        wg = plan.wgrad
+        if not wg.quantized:
+            dw_NK = g_TN.t() @ x_TK
+        else:
+            # OE-left of wgrad (rows of g^T) needs x in high precision: the policy never
+            # asks for it (check_modes refuses it). The MXFP4 GEMM writes dw in the
+            # parameter's dtype (float32 master weights under autocast): its fp32
+            # accumulation is kept rather than rounded to bf16, and autograd has no cast
+            # to make (0.18 ms at (14336, 4096) on the H200).
+            dw_NK = mxfp4_gemm(
+                wg, backend, g_TN, 0, x_q, 0,
+                a_hp=lambda idx: g_TN.t(),
+                b_cols_hp=cols_hp, b_cols_idx=cols_idx,
+                a_q=g_wgrad,
+                out_dtype=weight.dtype,
+            )
+    return dx_TK, dw_NK
+
+
+# ---- the custom ops ----------------------------------------------------------------------------
+def _saved_shapes(numerics: str, T: int, K: int, needs_backward: bool):
+    """Shapes of what ``linear_forward`` returns for wgrad: x's packed codes and scale bytes
+    (x quantized along T: [K, TP / 2] and [K, TP / block], TP = T padded to the operand's
+    alignment) and the OE columns ([T, k], [k]); None for each that is not returned."""
+    _, (_, _, wg) = _templates(numerics)
+    if not (needs_backward and wg.quantized):
+        return None, None, None
+    TP = -(-T // wg.b.alignment) * wg.b.alignment
+    k = min(wg.oe_k, K) if wg.mode == "iht+oe_right" else None
+    return (K, TP // 2), (K, TP // wg.b.block_size), k
+
+
+def _none(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return like.new_empty((0,), dtype=dtype)
+
+
+@torch.library.custom_op("adahop::linear_forward", mutates_args=())
+def linear_forward(x: torch.Tensor, weight: torch.Tensor, rng_state: torch.Tensor, numerics: str,
+                   needs_backward: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fprop of one layer call: ``(y, x_codes, x_scales, cols_hp, cols_idx)``, the last four
+    empty where wgrad does not need them (module doc)."""
+    plan = layer_plan(numerics, rng_state, x.device, needs_backward)
+    y, x_q, cols_hp, cols_idx = forward_gemms(x, weight, plan)
+    u8 = torch.uint8
+    return (y, _none(x, u8) if x_q is None else x_q.codes, _none(x, u8) if x_q is None else x_q.scale_e8m0,
+            _none(x, x.dtype) if cols_hp is None else cols_hp,
+            _none(x, torch.int64) if cols_idx is None else cols_idx)
+
+
+@linear_forward.register_fake
+def _(x, weight, rng_state, numerics, needs_backward):
+    T, K = x.shape
+    codes, scales, k = _saved_shapes(numerics, T, K, needs_backward)
+    u8 = torch.uint8
+    return (x.new_empty((T, weight.shape[0])),
+            _none(x, u8) if codes is None else x.new_empty(codes, dtype=u8),
+            _none(x, u8) if scales is None else x.new_empty(scales, dtype=u8),
+            _none(x, x.dtype) if k is None else x.new_empty((T, k)),
+            _none(x, torch.int64) if k is None else x.new_empty((k,), dtype=torch.int64))
+
+
+@torch.library.custom_op("adahop::linear_backward", mutates_args=())
+def linear_backward(g: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, x_codes: torch.Tensor,
+                    x_scales: torch.Tensor, cols_hp: torch.Tensor, cols_idx: torch.Tensor, rng_state: torch.Tensor,
+                    numerics: str, needs_dx: bool, needs_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """dgrad and wgrad of one layer call: ``(dx, dw)``, each empty where not asked. ``x``: the
+    activation where wgrad runs in bf16 (else empty); the others as ``linear_forward`` returned
+    them."""
+    plan = layer_plan(numerics, rng_state, g.device, True)
+    T, K = g.shape[0], weight.shape[1]
+    x_q = None
+    if plan.wgrad.quantized and needs_dw:
+        x_q = MXFP4Tensor(x_codes, x_scales, torch.Size((T, K)), 0, plan.wgrad.b.block_size)
+    has_cols = plan.wgrad.mode == "iht+oe_right"
+    dx, dw = backward_gemms(g, weight, plan, needs_dx=needs_dx, needs_dw=needs_dw, x_TK=x, x_q=x_q,
+                            cols_hp=cols_hp if has_cols else None, cols_idx=cols_idx if has_cols else None)
+    return (_none(g, g.dtype) if dx is None else dx, _none(g, weight.dtype) if dw is None else dw)
+
+
+@linear_backward.register_fake
+def _(g, weight, x, x_codes, x_scales, cols_hp, cols_idx, rng_state, numerics, needs_dx, needs_dw):
+    T, (N, K) = g.shape[0], weight.shape
+    return (g.new_empty((T, K)) if needs_dx else _none(g, g.dtype),
+            g.new_empty((N, K), dtype=weight.dtype) if needs_dw else _none(g, weight.dtype))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, rng_state, numerics, needs_backward = inputs
+    _, codes, scales, cols_hp, cols_idx = output
+    _, (_, _, wg) = _templates(numerics)
+    # wgrad in bf16 keeps x itself; a quantized wgrad keeps x's packed form (the saving).
+    ctx.save_for_backward(weight, x if not wg.quantized else None, codes, scales, cols_hp, cols_idx, rng_state)
+    ctx.numerics = numerics
+    ctx.x_dtype = x.dtype
+    ctx.mark_non_differentiable(codes, scales, cols_hp, cols_idx)
+
+
+def _backward(ctx, grad_y, *_unused):
+    weight, x, codes, scales, cols_hp, cols_idx, rng_state = ctx.saved_tensors
+    needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if x is None:
+        x = _none(grad_y, ctx.x_dtype)
+    dx, dw = torch.ops.adahop.linear_backward(grad_y, weight, x, codes, scales, cols_hp, cols_idx, rng_state,
+                                              ctx.numerics, needs_dx, needs_dw)
+    return (dx if needs_dx else None, dw if needs_dw else None, None, None, None)
+
+
+torch.library.register_autograd("adahop::linear_forward", _backward, setup_context=_setup_context)
