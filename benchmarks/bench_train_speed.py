@@ -2,12 +2,13 @@
 the first losses, with BF16 measured before and after the other recipes in the same call.
 
     python benchmarks/bench_train_speed.py --corpus runs/corpus --preset h200_125m --model-size 1b \\
-        --recipes adahop_lv2 --compile --steps 30 60 --calibration-steps 10
+        --recipes adahop_lv2 --compile model --steps 30 60 --calibration-steps 10
 
-Each recipe trains through ``adahop.train.trainer.train`` (the same model, data, optimizer and
-compile as ``adahop train``) in its own process, so that its peak memory and compile state are
-its own. The sequence is bf16, the --recipes, bf16: BF16's own speed drifts by a few percent
-over a call, so each ratio is given against both BF16 runs. Per run:
+Each recipe trains through ``adahop.train.trainer.train`` (the same model, data and optimizer as
+``adahop train``; compiled whole, by blocks or not at all, with --cudagraphs in CUDA graphs) in
+its own process, so that its peak memory and compile state are its own. The sequence is bf16, the
+--recipes, bf16: BF16's own speed drifts by a few percent over a call, so each ratio is given
+against both BF16 runs. Per run:
 
 - steady tokens/s and ms/step over the steps after P0 up to P1 (``--steps P0 P1``; the device
   synchronised at both edges, from the trainer's ``on_step`` hook), which must lie after the
@@ -28,7 +29,6 @@ printed last. On the CPU: ``--preset debug --model-size tiny --no-compile`` with
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -57,7 +57,7 @@ def run_config(args, recipe: str, run_dir):
 
     cfg = preset(args.preset, recipe=recipe, model_size=args.model_size, calibration_steps=args.calibration_steps,
                  batch_size=args.batch_size, seq_len=args.seq_len, device=args.device,
-                 out_dir=str(run_dir), corpus_dir=args.corpus, progress=False, compile=args.compile,
+                 out_dir=str(run_dir), corpus_dir=args.corpus, progress=False, compile=args.compile == "blocks",
                  eval_every=0, ckpt_every=0)
     cfg = dataclasses.replace(cfg, steps=max(cfg.steps, args.steps[1] + args.profile_steps))
     cfg.validate()  # a device this machine lacks, a backend it cannot run: one line
@@ -79,6 +79,13 @@ def measure(args, recipe: str) -> dict:
         device = resolve_device(cfg.device)
         corpus = load_corpus(cfg.corpus_dir)
         model, batches = open_run(cfg, corpus)
+        if args.compile == "model":  # converted here as train() would, then compiled whole
+            from adahop.train.compile import compile_model
+            from adahop.train.precision import block_filter
+
+            adahop.convert_to_adahop_training(model, config=cfg.adahop,
+                                              module_filter_fn=block_filter(model, cfg.bf16_blocks))
+            compile_model(model, **({"mode": "reduce-overhead"} if args.cudagraphs else {}))
         cuda = device.type == "cuda"
 
         def sync():
@@ -116,7 +123,8 @@ def measure(args, recipe: str) -> dict:
         tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
         s_per_step = state["window_s"] / (p1 - p0)
         row = {
-            "recipe": recipe, "preset": args.preset, "model_size": cfg.model_size, "compile": cfg.compile,
+            "recipe": recipe, "preset": args.preset, "model_size": cfg.model_size, "compile": args.compile,
+            "cudagraphs": args.cudagraphs,
             "device": str(device),  # where the MXFP4 GEMMs ran (bf16 runs none)
             "backend": None if recipe == "bf16" else get_backend(cfg.adahop.backend, device).name,
             "batch_size": cfg.batch_size,
@@ -217,8 +225,13 @@ def parse_args(argv=None):
     g.add_argument("--preset", default="h200_125m", choices=list(PRESETS),
                    help="training preset: batch, sequence length, optimizer, device (default: %(default)s)")
     g.add_argument("--model-size", default=None, choices=list(SIZES), help="model size (default: the preset's)")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="torch.compile each transformer block, as adahop train --compile (default: on)")
+    g.add_argument("--compile", choices=("model", "blocks", "none"), default="model",
+                   help="torch.compile the whole model (train.compile.compile_model), each transformer block "
+                        "(compile_blocks, as adahop train --compile), or nothing (default: %(default)s)")
+    g.add_argument("--no-compile", dest="compile", action="store_const", const="none", help="--compile none")
+    g.add_argument("--cudagraphs", action="store_true",
+                   help="with --compile model: replay each step's forward and backward as CUDA graphs "
+                        "(torch.compile mode='reduce-overhead')")
     g.add_argument("--corpus", default="runs/corpus", help="corpus folder made by adahop data (default: %(default)s)")
     g.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the preset's)")
     g.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
@@ -252,6 +265,8 @@ def parse_args(argv=None):
     if args.calibration_steps >= p0:
         p.error(f"the timed window must start after the calibration: --calibration-steps {args.calibration_steps} "
                 f">= P0 = {p0}")
+    if args.cudagraphs and args.compile != "model":
+        p.error("--cudagraphs needs --compile model")
     if args.worker is not None and args.row_file is None:
         p.error("--worker needs --row-file")
     return args

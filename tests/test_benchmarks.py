@@ -32,7 +32,7 @@ from adahop.train import sources as S
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "common")
-GPU_ONLY = ("bench_gemm", "bench_kernels", "bench_linear", "check_hopper", "gpu_reference_check")
+GPU_ONLY = ("bench_gemm", "bench_kernels", "bench_linear", "check_compile", "check_hopper", "gpu_reference_check")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="the Triton kernels on the CPU need TRITON_INTERPRET=1")
 # At K = 64 wgrad's OE-right (k = 64 of the layer's recipes) selects every column: said, and fine here
@@ -53,8 +53,8 @@ def rows_of(path):
 def test_every_script_is_listed():
     # a new script gets a smoke test here: in GPU_ONLY (refusal) or in a CPU run below
     assert set(SCRIPTS) == {"ablation", "backend_agreement", "bench_gemm", "bench_kernels", "bench_linear",
-                            "bench_train_speed", "check_hopper", "gpu_reference_check", "offline_compile",
-                            "quant_error_study", "sass_count", "train_compare"}
+                            "bench_train_speed", "check_compile", "check_hopper", "gpu_reference_check",
+                            "offline_compile", "quant_error_study", "sass_count", "train_compare"}
     assert not (BENCH / "bench_hopper.py").exists()
 
 
