@@ -13,11 +13,12 @@ does the few things data parallelism adds to the trainer:
   average out in the gradient all-reduce, each rank's is reproducible, and together they are
   the stream a single process with W-fold gradient accumulation draws: DDP on W ranks then
   quantizes exactly the values such a run quantizes, with the same bits (tested).
-* the calibration consensus (``merge_calibration``): the layers do not freeze themselves
-  (``freeze_when_calibrated = False``); after every backward the ranks' new votes and
-  statistics are summed across ranks (one all-reduce of a float64 vector), and a layer whose
-  merged count reaches ``calibration_steps`` freezes on every rank from the same numbers. A
-  backward pass of each rank counts, as a micro-batch does under accumulation.
+* the calibration consensus (``start_calibration_step`` / ``merge_calibration``): the layers do
+  not freeze themselves (``freeze_when_calibrated = False``); each forward's observations are
+  recorded apart, and after the backward every rank's (votes, running sums, finite counts) are
+  gathered (one all-gather) and added to the merged state in rank order, so every rank holds
+  the same numbers; a layer whose merged count reaches ``calibration_steps`` freezes on every
+  rank from them. A backward pass of each rank counts, as a micro-batch does under accumulation.
 * ``check_modes``: at the freeze and after a load, every rank's modes, patterns and
   calibration state are compared; a difference stops every rank with ``RankMismatchError``.
 * ``step_report`` / ``check_finite``: each rank's loss and whether its own gradient (before the
@@ -33,6 +34,7 @@ does the few things data parallelism adds to the trainer:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -43,7 +45,6 @@ from torch import nn
 
 from adahop.convert import adahop_layers
 from adahop.patterns.calibration import TENSOR_ROLES, LayerCalibration
-from adahop.patterns.detect import PATTERNS
 
 PARALLEL_CHOICES = ("none", "ddp", "fsdp2")
 LAUNCH = "torchrun --nproc-per-node N -m adahop.cli train --parallel {mode} ..."
@@ -123,31 +124,30 @@ def _timeout() -> timedelta | None:
         raise ValueError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds") from None
 
 
-# ---- the calibration state as numbers (what the consensus all-reduces) ---------------------------
-def calibration_numbers(cal: LayerCalibration) -> dict[str, float]:
-    """Every number of a layer's calibration by name: each role's votes, and each statistic's
-    running sum and finite count (every rank records the same statistics)."""
-    out = {}
+# ---- the calibration consensus -----------------------------------------------------------------------
+def _add_stat(total, part):
+    """A running sum plus another: numbers, element-wise lists (a profile), None (none yet)."""
+    if part is None:
+        return total
+    if total is None:
+        return list(part) if isinstance(part, list) else part
+    if isinstance(total, list) != isinstance(part, list) or (isinstance(part, list) and len(part) != len(total)):
+        raise RankMismatchError(f"calibration statistics of different shapes cannot be merged: {total!r}, {part!r}")
+    return [a + b for a, b in zip(total, part)] if isinstance(part, list) else total + part
+
+
+def add_calibration(total: LayerCalibration, part: LayerCalibration) -> None:
+    """Add ``part``'s votes, sums and finite counts into ``total`` (what a layer would hold had it
+    observed both). The sums are added in the order the caller gives: every rank adds the
+    ranks' parts in rank order, so every rank gets the same numbers."""
     for role in TENSOR_ROLES:
-        t = cal.tensors[role]
-        out.update({f"{role}.votes.{p}": float(t.votes[p]) for p in PATTERNS})
-        for name in t.sums:
-            out[f"{role}.sum.{name}"] = float(t.sums[name])
-            out[f"{role}.count.{name}"] = float(t.finite_counts.get(name, 0))
-    return out
-
-
-def set_calibration_numbers(cal: LayerCalibration, numbers: dict[str, float]) -> None:
-    """The inverse of ``calibration_numbers``, into ``cal``."""
-    for key, value in numbers.items():
-        role, kind, name = key.split(".", 2)
-        t = cal.tensors[role]
-        if kind == "votes":
-            t.votes[name] = round(value)
-        elif kind == "sum":
-            t.sums[name] = value
-        else:
-            t.finite_counts[name] = round(value)
+        t, p = total.tensors[role], part.tensors[role]
+        for k, v in p.votes.items():
+            t.votes[k] = t.votes.get(k, 0) + v
+        for k, v in p.sums.items():
+            t.sums[k] = _add_stat(t.sums.get(k), v)
+        for k, v in p.finite_counts.items():
+            t.finite_counts[k] = t.finite_counts.get(k, 0) + v
 
 
 def layer_state(layer) -> dict:
@@ -168,8 +168,7 @@ class Parallel:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     owns_group: bool = False
     _layers: dict = field(default_factory=dict, repr=False)
-    _merged: dict = field(default_factory=dict, repr=False)  # layer -> its calibration numbers at the last merge
-    _layout: list | None = field(default=None, repr=False)  # the names of the numbers merged, checked alike
+    _merged: dict = field(default_factory=dict, repr=False)  # layer -> its merged calibration during a step
     _grad_bad: torch.Tensor | None = field(default=None, repr=False)
     _sr_next: dict = field(default_factory=dict, repr=False)  # layer -> its next call count n (host side)
     _sr_checked: bool = field(default=False, repr=False)
@@ -261,9 +260,6 @@ class Parallel:
             return
         for layer in self._layers.values():
             layer.freeze_when_calibrated = False
-        self._merged = {fqn: calibration_numbers(layer.calibration) for fqn, layer in self._layers.items()
-                        if layer.calibrating}
-        self._layout = None
         # A counter left at r + (n-1) W + 1 by this rank's last call continues at n (one read per
         # layer here; afterwards the counts are kept on the host, so no step reads the device).
         self._sr_next = {fqn: -(-(layer.calls - self.rank) // self.world) for fqn, layer in self._layers.items()
@@ -278,11 +274,14 @@ class Parallel:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         from torch.nn.parallel import DistributedDataParallel
 
-        # broadcast_buffers=False: DDP would otherwise copy rank 0's buffers into every rank before
-        # each forward, and an AdaHOP layer's SR counter may be a buffer that must stay per rank
-        # (align_sr_counters). A decoder's other buffers (RoPE tables) are constants.
+        # No buffer sync before each forward: DDP would copy rank 0's buffers into every rank, and an
+        # AdaHOP layer's SR counter may be a buffer that must stay per rank (align_sr_counters sets
+        # it before each forward, so the sync at construction does no harm). A decoder's other
+        # buffers (RoPE tables) are constants. (torch 2.13 renamed the option.)
+        params = inspect.signature(DistributedDataParallel.__init__).parameters
+        no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
         ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                                      broadcast_buffers=False)
+                                      **no_sync)
         self._grad_bad = torch.zeros((), dtype=torch.float32, device=self.device)
 
         def checked_allreduce(flag, bucket):
@@ -332,37 +331,41 @@ class Parallel:
                               "rounding then shares random numbers with another rank's", stacklevel=2)
                 return
 
+    def start_calibration_step(self) -> None:
+        """Before a training forward: each calibrating layer records this step's observations
+        apart (a fresh ``LayerCalibration``), its merged state kept here."""
+        if not self.distributed:
+            return
+        self._merged = {}
+        for fqn, layer in self._layers.items():
+            if layer.calibrating:
+                self._merged[fqn] = layer.calibration
+                layer.calibration = LayerCalibration()
+
     def merge_calibration(self, step: int) -> list[str]:
-        """After a backward: sum the ranks' new calibration observations, freeze the layers whose
-        merged count reached ``calibration_steps``, and check that the ranks agree. Returns the
-        layers frozen now."""
+        """After the backward: every rank's new observations (one all-gather) added to the merged
+        state in rank order, the layers whose merged count reached ``calibration_steps`` frozen,
+        and the ranks checked to agree. Returns the layers frozen now."""
         if not self.distributed or not self._merged:
             return []
         import torch.distributed as dist
 
-        names = list(self._merged)
-        current = {fqn: calibration_numbers(self._layers[fqn].calibration) for fqn in names}
-        layout = [(fqn, key) for fqn in names for key in sorted(current[fqn])]
-        if layout != self._layout:  # the first merge, or new statistics: the same names on every rank?
-            gathered = [None] * self.world
-            dist.all_gather_object(gathered, layout)
-            if any(g != layout for g in gathered):
-                raise RankMismatchError(f"the ranks calibrate different layers or statistics at step {step}; "
-                                        "every rank must convert the same layers with the same config")
-            self._layout = layout
-        delta = torch.tensor([current[fqn][key] - self._merged[fqn].get(key, 0.0) for fqn, key in layout],
-                             dtype=torch.float64, device=self.device)
-        dist.all_reduce(delta)  # the sum of every rank's observations since the last merge
-        for (fqn, key), d in zip(layout, delta.tolist()):
-            self._merged[fqn][key] = self._merged[fqn].get(key, 0.0) + d
+        mine = {fqn: self._layers[fqn].calibration.to_dict() for fqn in self._merged}
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, mine)
+        if any(set(g) != set(mine) for g in gathered):
+            raise RankMismatchError(f"the ranks calibrate different layers at step {step}; every rank must convert "
+                                    "the same layers with the same config")
         frozen = []
-        for fqn in names:
+        for fqn, total in self._merged.items():
+            for part in gathered:
+                add_calibration(total, LayerCalibration.from_dict(part[fqn]))
             layer = self._layers[fqn]
-            set_calibration_numbers(layer.calibration, self._merged[fqn])
+            layer.calibration = total
             if layer.calibration.steps >= layer.config.calibration_steps:
                 layer.finish_calibration()
-                del self._merged[fqn]
                 frozen.append(fqn)
+        self._merged = {}
         if frozen:
             self.check_modes(f"at the freeze in step {step}")
         return frozen

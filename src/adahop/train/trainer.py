@@ -451,6 +451,7 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
                 inputs, targets = par.shard(*next(train_batches))
                 inputs, targets = inputs.to(device), targets.to(device)
                 counters = par.align_sr_counters()
+                par.start_calibration_step()
                 with par.no_sync(forward, last_micro_batch=micro == cfg.grad_accum - 1):
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
                         logits = forward(inputs)
