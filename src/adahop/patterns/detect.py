@@ -1,21 +1,26 @@
-"""Outlier-pattern detector (the AdaHOP reference's statistic; docs/method.md, 'Outlier patterns and
-their detection').
+"""Outlier-pattern detector (the AdaHOP reference's statistic, made scale-invariant;
+docs/method.md, 'Outlier patterns and their detection').
 
 A 2-D operand (X as [T, K], W as [N, K], G as [T, N]; more dims are flattened into rows) is
 **row**-wise when a few rows carry the large values, **col**-wise when a few columns do, and
-**none** otherwise. In float32:
+**none** otherwise. On the tensor scaled by a power of two to an absolute maximum in [0.5, 1)
+(``unit_scaled``), in float32:
 
     r = unbiased variance of each row            c = unbiased variance of each column
-    cv_row = std(r) / (mean(r) + 1e-8) / sqrt(2 / max(C - 1, 1))
-    cv_col = std(c) / (mean(c) + 1e-8) / sqrt(2 / max(R - 1, 1))
+    cv_row = std(r) / mean(r) / sqrt(2 / max(C - 1, 1))     (0 when mean(r) = 0)
+    cv_col = std(c) / mean(c) / sqrt(2 / max(R - 1, 1))     (0 when mean(c) = 0)
 
 The normalisation is the coefficient of variation of a chi-square variance estimate with C-1
 degrees of freedom, so an i.i.d. Gaussian tensor scores about 1 on both. Then
 
-    cv_row / (cv_col + 1e-8) > tau  -> "row";  cv_col / (cv_row + 1e-8) > tau -> "col";  else "none"
+    cv_row > tau * cv_col  -> "row";   cv_col > tau * cv_row  -> "col";   else "none"
 
-with tau = 2. A tensor with fewer than 2 rows or columns, or any NaN/Inf, is "none" (nothing can
-be said about it) and its scores are NaN.
+with tau = 2. The reference adds an absolute 1e-8 to mean(r), so its scores shrink with the
+tensor's scale (a gradient of a mean loss over many tokens is small) and labels change once a
+tensor is small enough; the power-of-two scaling is exact, so scores and labels do not depend on
+the scale (to float32 rounding for a factor that is not a power of two), and no square under- or
+overflows. An all-zero tensor scores (0, 0): "none". A tensor with fewer than 2 rows or columns,
+or any NaN/Inf, is "none" (nothing can be said about it) and its scores are NaN.
 """
 
 from __future__ import annotations
@@ -29,7 +34,6 @@ from adahop.formats.mxfp4 import check_float_tensor
 
 PATTERNS = ("row", "col", "none")
 DEFAULT_TAU = 2.0
-EPS = 1e-8
 
 
 @dataclass(frozen=True)
@@ -46,25 +50,68 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # not -1: fails on 0 columns
 
 
-def outlier_scores(t: torch.Tensor) -> OutlierScores:
-    """The detector's (cv_row, cv_col) for a tensor; NaN when undefined (see module doc)."""
-    m = as_rows(t).detach().to(torch.float32)
-    rows, cols = m.shape
-    if rows < 2 or cols < 2 or not bool(torch.isfinite(m).all()):
+def is_finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all())
+
+
+def unit_scaled(m: torch.Tensor) -> torch.Tensor:
+    """Finite ``m`` in float32, multiplied by the power of two that brings its largest absolute
+    value into [0.5, 1): only exponents change (exact, but for elements that end below float32's
+    normal range), and every statistic of a ratio of its squares is then free of its scale and
+    safe from under- and overflow. An all-zero (or empty) ``m`` stays zero."""
+    if m.numel() == 0:
+        return m.to(torch.float32)
+    lo, hi = torch.aminmax(m)  # one pass, no |m| temporary
+    amax = max(-lo.item(), hi.item())
+    if amax == 0:
+        return m.to(torch.float32)
+    _, e = math.frexp(amax)  # amax = f * 2**e, 0.5 <= f < 1
+    if m.dtype == torch.float64:  # scaled before the cast: a float64 beyond float32's range is fine
+        return (m * math.ldexp(1.0, -e)).to(torch.float32)
+    m = m.to(torch.float32)
+    if -126 <= -e <= 127:  # 2**-e is a normal float32: one exact multiply
+        return m * math.ldexp(1.0, -e)
+    half = -e // 2  # a subnormal or a huge amax: two multiplies, each by a normal power of two
+    return m * math.ldexp(1.0, half) * math.ldexp(1.0, -e - half)
+
+
+def unit_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as 2-D rows (``as_rows``), detached and ``unit_scaled``; None if it holds NaN or Inf."""
+    m = as_rows(t).detach()
+    return unit_scaled(m) if is_finite(m) else None
+
+
+def _cv(v: torch.Tensor) -> float:
+    """Coefficient of variation std / mean of non-negative ``v``; 0 when every value is 0 (no
+    spread at all)."""
+    mean = v.mean().item()
+    return v.std().item() / mean if mean > 0 else 0.0
+
+
+def scores_of(m: torch.Tensor | None) -> OutlierScores:
+    """The scores of a ``unit_rows`` tensor (None: non-finite)."""
+    if m is None or m.shape[0] < 2 or m.shape[1] < 2:
         return OutlierScores(math.nan, math.nan)
-    r = m.var(dim=1)
-    c = m.var(dim=0)
-    cv_row = (r.std() / (r.mean() + EPS)).item() / math.sqrt(2.0 / max(cols - 1, 1))
-    cv_col = (c.std() / (c.mean() + EPS)).item() / math.sqrt(2.0 / max(rows - 1, 1))
+    rows, cols = m.shape
+    cv_row = _cv(m.var(dim=1)) / math.sqrt(2.0 / max(cols - 1, 1))
+    cv_col = _cv(m.var(dim=0)) / math.sqrt(2.0 / max(rows - 1, 1))
     return OutlierScores(cv_row, cv_col)
 
 
+def outlier_scores(t: torch.Tensor) -> OutlierScores:
+    """The detector's (cv_row, cv_col) for a tensor; NaN when undefined (see module doc)."""
+    return scores_of(unit_rows(t))
+
+
 def classify_scores(scores: OutlierScores, tau: float = DEFAULT_TAU) -> str:
+    """"row" when cv_row > tau * cv_col, "col" when cv_col > tau * cv_row, else "none" (also for
+    NaN scores). Products, not the reference's ratios with an added 1e-8: both scores are
+    scale-free already, and (0, 0) is simply "none"."""
     if not (math.isfinite(scores.cv_row) and math.isfinite(scores.cv_col)):
         return "none"
-    if scores.cv_row / (scores.cv_col + EPS) > tau:
+    if scores.cv_row > tau * scores.cv_col:
         return "row"
-    if scores.cv_col / (scores.cv_row + EPS) > tau:
+    if scores.cv_col > tau * scores.cv_row:
         return "col"
     return "none"
 
@@ -90,15 +137,27 @@ def detect_outlier_pattern(t: torch.Tensor, *, tau: float = DEFAULT_TAU) -> str:
     return classify_scores(outlier_scores(t), check_tau(tau))
 
 
-def topk_energy_share(t: torch.Tensor, k: int) -> tuple[float, float]:
-    """Share of the squared norm held by the k largest rows, and by the k largest columns: what
-    outlier extraction with k slices would move to the BF16 path. NaN for non-finite tensors."""
-    m = as_rows(t).detach().to(torch.float32)
-    total = m.square().sum()
-    if m.numel() == 0 or not bool(torch.isfinite(total)) or total.item() == 0:
+def slice_energies(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Squared L2 norms of the rows and of the columns of 2-D ``m``."""
+    sq = m.square()
+    return sq.sum(dim=1), sq.sum(dim=0)
+
+
+def shares_of(row_e: torch.Tensor, col_e: torch.Tensor, k: int) -> tuple[float, float]:
+    """``topk_energy_share`` from the slice energies of a ``unit_rows`` tensor."""
+    total = row_e.sum()
+    if row_e.numel() == 0 or col_e.numel() == 0 or total.item() == 0:
         return (math.nan, math.nan)
-    row_e = m.square().sum(dim=1)
-    col_e = m.square().sum(dim=0)
     share_r = row_e.topk(min(k, row_e.numel())).values.sum() / total
     share_c = col_e.topk(min(k, col_e.numel())).values.sum() / total
     return (share_r.item(), share_c.item())
+
+
+def topk_energy_share(t: torch.Tensor, k: int) -> tuple[float, float]:
+    """Share of the squared norm held by the k largest rows, and by the k largest columns: what
+    outlier extraction with k slices would move to the BF16 path. Scale-free (``unit_scaled``);
+    NaN for non-finite, all-zero and empty tensors."""
+    m = unit_rows(t)
+    if m is None or m.numel() == 0:
+        return (math.nan, math.nan)
+    return shares_of(*slice_energies(m), k)
