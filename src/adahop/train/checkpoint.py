@@ -168,8 +168,8 @@ def save_sharded(folder: str | os.PathLike, step: int, *, model, optimizer, stat
     tmp = folder / f".{final.name}.tmp"
     if par.is_main:
         folder.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():  # a write killed before its rename
-            shutil.rmtree(tmp)
+        for leftover in folder.glob(".step_*.tmp"):  # writes killed before their rename
+            shutil.rmtree(leftover)
     par.barrier()
     osd = get_optimizer_state_dict(model, optimizer)
     dcp.save({"model": _tensors(get_model_state_dict(model)), "optim": osd["state"]},
