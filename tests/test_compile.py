@@ -178,3 +178,31 @@ def test_compile_refuses_a_model_without_blocks_and_a_bad_flag(tmp_path):
         compile_blocks(TinyLM(vocab=VOCAB, d=64, layers=2, heads=4, seq_len=SEQ))
     with pytest.raises(ValueError, match="compile must be a bool"):
         TrainConfig(compile="yes").validate()
+
+
+def test_new_shapes_do_not_compile_once_each():
+    """A compiled converted model given batches of six lengths compiles a graph with dynamic
+    shapes after the second (the ops' fake shapes are symbolic) and one more for the lengths past
+    a guard it took, not one per length; outputs as eager."""
+    eager = calibrated("adahop_lv2")
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compile_model(compiled, fullgraph=True, backend="aot_eager")
+    for seq in (SEQ, SEQ // 2, SEQ - 8, SEQ // 4, SEQ - 4, SEQ // 2 + 4):
+        tok = tokens()[:, : seq + 1]
+        (loss_e, grad_e), (loss_c, grad_c) = step(eager, tok), step(compiled, tok)
+        assert torch.equal(loss_e, loss_c) and torch.equal(grad_e, grad_c)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3
+
+
+def test_non_finite_weights_give_the_eager_result_under_compile():
+    """A NaN in a weight: compiled and eager both give a NaN loss (a defined result, no error)."""
+    eager = calibrated("adahop_lv2")
+    with torch.no_grad():
+        eager.layers[0].feed_forward.w1.weight[0, 0] = float("nan")
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compile_model(compiled, fullgraph=True, backend="aot_eager")
+    (loss_e, _), (loss_c, _) = step(eager, tokens()), step(compiled, tokens())
+    assert math.isnan(loss_e.item()) and math.isnan(loss_c.item())
