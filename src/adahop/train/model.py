@@ -181,12 +181,12 @@ def compute_copies(x: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     Each linear would cast its input itself (autocast does, and so does ``AdaHOPLinear``). Doing it
     here, once per reader and before any of them runs, gives the same values and, in eager mode,
     the same kernels; the gradients still meet in float32 (each cast's backward upcasts its own).
-    It matters in a compiled block whose linear layers are graph breaks (the MXFP4 recipes,
-    ``train/compile.py``): the casts then come out of the compiled norm's kernel, and the
-    gradients are summed inside the compiled backward instead of by eager float32 adds."""
+    In a compiled model the casts then come out of the norm's kernel, and the gradients are
+    summed inside it."""
     device_type = x.device.type
-    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
-        return (x,) * n  # (the meta device has no autocast)
+    # (only the devices autocast knows: torch.amp.is_autocast_available is not traceable by Dynamo)
+    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
+        return (x,) * n
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(x.to(dtype) for _ in range(n))
 
