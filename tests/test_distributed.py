@@ -126,11 +126,14 @@ def killed_run(rank, root):
 
 def scenarios(rank, root):
     out = {}
-    for recipe in ("bf16", "adahop_lv2"):
+    runs = [(recipe, recipe, {}) for recipe in ("bf16", "adahop_lv2")]
+    runs += [(f"fsdp2_{recipe}", recipe, {"parallel": "fsdp2"}) for recipe in ("bf16", "adahop_lv2")]
+    runs += [("fsdp2_bf16_params", "adahop_lv2", {"parallel": "fsdp2", "autocast": "bf16"})]
+    for name, recipe, kw in runs:
         model = tiny_model()
-        summary = train(config(root / recipe, recipe), model=model, train_batches=IndexedBatches())
+        summary = train(config(root / name, recipe, **kw), model=model, train_batches=IndexedBatches())
         layers = adahop.adahop_layers(model)
-        out[recipe] = {"losses": summary["losses"], "modes": {f: m.modes for f, m in layers.items()},
+        out[name] = {"losses": summary["losses"], "modes": {f: m.modes for f, m in layers.items()},
                        "calls": {f: m.calls for f, m in layers.items()},
                        "calibration": {f: m.calibration.to_dict() for f, m in layers.items() if m.calibration}}
     resumed = train(config(root / "killed", ckpt_every=2), model=tiny_model(), train_batches=IndexedBatches())
@@ -208,29 +211,39 @@ def close(a: list[float], b: list[float], rtol: float) -> float:
     return worst
 
 
-def test_ddp_bf16_equals_one_process_on_the_global_batch(runs, tmp_path):
-    ddp = runs["ranks"][0]["bf16"]["losses"]
-    assert runs["ranks"][1]["bf16"]["losses"] == ddp  # the logged loss is the global one, on every rank
-    assert losses_of(runs["root"] / "bf16") == ddp
+@pytest.mark.parametrize("kind", ["", "fsdp2_"])
+def test_bf16_on_2_ranks_equals_one_process_on_the_global_batch(runs, tmp_path, kind):
+    ddp = runs["ranks"][0][f"{kind}bf16"]["losses"]
+    assert runs["ranks"][1][f"{kind}bf16"]["losses"] == ddp  # the logged loss is the global one, on every rank
+    assert losses_of(runs["root"] / f"{kind}bf16") == ddp
     close(ddp, single(tmp_path / "plain", "bf16"), rtol=1e-5)
 
 
-def test_ddp_adahop_lv2_equals_one_process_with_the_same_micro_batches(runs, tmp_path):
-    ddp = runs["ranks"][0]["adahop_lv2"]["losses"]
+@pytest.mark.parametrize("kind", ["", "fsdp2_"])
+def test_adahop_lv2_on_2_ranks_equals_one_process_with_the_same_micro_batches(runs, tmp_path, kind):
+    ddp = runs["ranks"][0][f"{kind}adahop_lv2"]["losses"]
     # the same micro-batches of 2 rows, the same SR numbers: only the gradient sums' order differs
     close(ddp, single(tmp_path / "accum", "adahop_lv2", batch_size=BATCH // 2, grad_accum=2), rtol=1e-5)
     # against one GEMM over the whole batch: OE and the Hadamard blocks see other rows; still close
     close(ddp, single(tmp_path / "plain", "adahop_lv2"), rtol=3e-2)
 
 
-def test_every_rank_freezes_the_same_modes_and_draws_its_own_sr_numbers(runs):
-    r0, r1 = (r["adahop_lv2"] for r in runs["ranks"])
+def test_fsdp2_with_bf16_parameters_trains_close_to_float32(runs):
+    bf16 = runs["ranks"][0]["fsdp2_bf16_params"]
+    assert all(math.isfinite(v) for v in bf16["losses"]) and bf16["modes"] == runs["ranks"][1]["fsdp2_bf16_params"][
+        "modes"]
+    close(bf16["losses"], runs["ranks"][0]["fsdp2_adahop_lv2"]["losses"], rtol=3e-2)
+
+
+@pytest.mark.parametrize("kind", ["", "fsdp2_"])
+def test_every_rank_freezes_the_same_modes_and_draws_its_own_sr_numbers(runs, kind):
+    r0, r1 = (r[f"{kind}adahop_lv2"] for r in runs["ranks"])
     assert r0["modes"] == r1["modes"] and all(m is not None for m in r0["modes"].values())
     # frozen after step 1 from both ranks' observation (one each), the same numbers on both
     assert r0["calibration"] == r1["calibration"]
     assert all(sum(c["g"]["votes"].values()) == 2 for c in r0["calibration"].values())
     assert any(mode != "bf16" for m in r0["modes"].values() for mode in m.values())
-    modes = json.loads((runs["root"] / "adahop_lv2" / "modes.json").read_text())
+    modes = json.loads((runs["root"] / f"{kind}adahop_lv2" / "modes.json").read_text())
     assert modes == r0["modes"]
     # 8 forwards each: rank r drew the call numbers r, r + 2, ..., r + 14
     assert set(r0["calls"].values()) == {15} and set(r1["calls"].values()) == {16}
@@ -246,19 +259,22 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_exactly(runs):
     assert losses_of(runs["root"] / "killed") == whole
 
 
-def test_a_sharded_checkpoint_resumes_on_another_world_size(runs, tmp_path):
-    """World size 2 -> 1 (the killed run's checkpoint of step 4): model and optimizer reshard,
-    the data continues from the global position, and the losses stay those of the same run,
-    within what another reduction and another SR layout change."""
-    run = tmp_path / "killed"
-    shutil.copytree(runs["root"] / "killed_at_6", run)
+@pytest.mark.parametrize("source", ["killed_at_6", "fsdp2_adahop_lv2"])
+def test_a_sharded_checkpoint_resumes_on_another_world_size(runs, tmp_path, source):
+    """World size 2 -> 1, from the checkpoint of step 4 of a DDP and of an FSDP2 run, resumed
+    under DDP: model and optimizer reshard, the data continues from the global position, and the
+    losses stay those of the same run, within what another reduction and SR layout change."""
+    run = tmp_path / "run"
+    shutil.copytree(runs["root"] / source, run)
+    (run / "checkpoints" / "latest").write_text("step_000000004")
+    (run / "summary.json").unlink(missing_ok=True)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:
         batches = IndexedBatches()
         resumed = train(config(run, ckpt_every=2), model=tiny_model(), train_batches=batches)
     finally:
         dist.destroy_process_group()
-    whole = runs["ranks"][0]["adahop_lv2"]["losses"]
+    whole = runs["ranks"][0][source if source != "killed_at_6" else "adahop_lv2"]["losses"]
     assert batches.position == STEPS * BATCH and [r["step"] for r in read_log(run) if "loss" in r] == list(
         range(1, STEPS + 1))
     close(resumed["losses"], whole[4:], rtol=3e-2)

@@ -370,9 +370,10 @@ def _add_train_args(p):
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer block (the AdaHOP layers' quantized GEMMs run "
                         "eagerly between the compiled parts); faster on a GPU, a minute of compiling first")
-    g.add_argument("--parallel", default="none", choices=["none", "ddp"],
-                   help="ddp: data parallel, one process per GPU (or CPU process) under torchrun --nproc-per-node N; "
-                        "--batch-size is the global batch, split over the ranks (docs/distributed.md)")
+    g.add_argument("--parallel", default="none", choices=["none", "ddp", "fsdp2"],
+                   help="data parallel, one process per GPU (or CPU process) under torchrun --nproc-per-node N: "
+                        "ddp (every rank holds the model) or fsdp2 (parameters sharded per block); --batch-size is "
+                        "the global batch, split over the ranks (docs/distributed.md)")
     g.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch (0: torch's default). 1 is the fastest for the small "
                         "models a CPU trains: the reference MXFP4 path is many small ops, and on 2 "

@@ -4,6 +4,8 @@ consensus, and the checks that stop every rank together (docs/distributed.md).
 One ``Parallel`` object per run says where this process stands (rank, world size, device) and
 does the few things data parallelism adds to the trainer:
 
+* ``wrap`` (DDP) / ``shard_model`` (FSDP2: ``fully_shard`` per block, bf16 or float32
+  parameters, float32 reductions) / ``clip_grad_norm``.
 * ``shard``: the global batch of ``batch_size`` sequences is the same on every rank (every rank
   draws it from the same seeded iterator); rank r trains on rows ``[r*B/W, (r+1)*B/W)``. The
   data position is therefore global, the same on every rank, and resumes on any world size.
@@ -158,6 +160,18 @@ def layer_state(layer) -> dict:
             else layer.calibration.to_dict()}
 
 
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks FSDP2 shards one by one: adahop's ``TransformerBlock``s, else the modules of the
+    longest ``nn.ModuleList`` (a Hugging Face decoder's ``layers``, say)."""
+    from adahop.train.model import TransformerBlock
+
+    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
+    if blocks:
+        return blocks
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
 @dataclass
 class Parallel:
     """Where this process stands in the run (see the module doc)."""
@@ -265,6 +279,37 @@ class Parallel:
         self._sr_next = {fqn: -(-(layer.calls - self.rank) // self.world) for fqn, layer in self._layers.items()
                          if not layer.runs_plain_linear}
         self._sr_checked = False
+
+    def shard_model(self, model: nn.Module, *, bf16: bool) -> None:
+        """FSDP2 (before the optimizer is built): ``fully_shard`` on each transformer block, then
+        on the whole model (the embedding, the final norm, the head), torchtitan's way; each
+        rank keeps 1/W of every parameter and the blocks all-gather theirs for their forward and
+        backward. Mixed precision: parameters gathered in bf16 when the run computes in bf16
+        (``bf16``: autocast, by default on CUDA), float32 otherwise; gradients reduced in float32."""
+        if self.mode != "fsdp2":
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+        for block in transformer_blocks(model):
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+
+    def clip_grad_norm(self, parameters, max_norm: float) -> torch.Tensor:
+        """``clip_grad_norm_``; under FSDP2 the norm of the sharded gradients is a DTensor whose
+        full value (one all-reduce) scales every shard."""
+        if self.mode != "fsdp2":
+            return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        from torch.distributed.tensor import DTensor
+
+        parameters = [p for p in parameters if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in parameters], 2.0)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+        return total
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The module the forward runs through: ``model`` itself, or under DDP its wrapper, whose

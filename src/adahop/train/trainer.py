@@ -7,9 +7,9 @@ layers' calibration votes, modes and SR call counters; optimizer; data position;
 step). Loading it and continuing gives the same loss sequence, bit for bit on the CPU, as a run
 that was never interrupted (tested).
 
-Under torchrun with ``parallel`` ``ddp`` every rank runs this loop on its rows of the global batch
-(``train.distributed``; docs/distributed.md): rank 0 owns the run folder's lock, log and summary,
-every rank writes its part of a sharded checkpoint.
+Under torchrun with ``parallel`` ``ddp`` or ``fsdp2`` every rank runs this loop on its rows of the
+global batch (``train.distributed``; docs/distributed.md): rank 0 owns the run folder's lock, log
+and summary, every rank writes its part of a sharded checkpoint.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class TrainConfig:
     device: str = "auto"
     autocast: str = "auto"  # "bf16", "none", or "auto": bf16 on CUDA, none on CPU
     compile: bool = False  # torch.compile each transformer block (train/compile.py)
-    parallel: str = "none"  # "ddp" under torchrun (train/distributed.py; batch_size is the global batch)
+    parallel: str = "none"  # "ddp" or "fsdp2" under torchrun (train/distributed.py; batch_size is the global batch)
     log_every: int = 1
     sync_every: int = 10  # read losses back from the device every this many steps (see train())
     eval_every: int = 0  # 0: only at the end
@@ -373,6 +373,7 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
     model.to(device).train()
     if cfg.compile:
         compile_blocks(model)
+    par.shard_model(model, bf16=use_bf16)  # FSDP2: before the optimizer sees the parameters
     opt = make_optimizer(model, cfg)
 
     start_step = 0
@@ -460,7 +461,7 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
                 par.check_sr_counters(counters)
                 par.merge_calibration(step + 1)
                 loss_sum += loss.detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            grad_norm = par.clip_grad_norm(model.parameters(), cfg.grad_clip)
             opt.step()
             step += 1
             steps_done += 1
