@@ -136,6 +136,13 @@ def scenarios(rank, root):
         out[name] = {"losses": summary["losses"], "modes": {f: m.modes for f, m in layers.items()},
                        "calls": {f: m.calls for f, m in layers.items()},
                        "calibration": {f: m.calibration.to_dict() for f, m in layers.items() if m.calibration}}
+    if rank == 0:  # the FSDP2 run again from its checkpoint of step 4
+        shutil.copytree(root / "fsdp2_adahop_lv2", root / "fsdp2_resumed")
+        (root / "fsdp2_resumed" / "checkpoints" / "latest").write_text("step_000000004")
+        (root / "fsdp2_resumed" / "summary.json").unlink()
+    dist.barrier()
+    out["fsdp2_resumed"] = train(config(root / "fsdp2_resumed", parallel="fsdp2"), model=tiny_model(),
+                                 train_batches=IndexedBatches())["losses"]
     resumed = train(config(root / "killed", ckpt_every=2), model=tiny_model(), train_batches=IndexedBatches())
     leftover = sorted(p.name for p in (root / "killed" / "checkpoints").iterdir())
     out["resumed"] = {"losses": resumed["losses"], "leftover": leftover}
@@ -257,6 +264,8 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_exactly(runs):
         assert r["resumed"]["losses"] == whole[4:]  # steps 5-8, bit for bit
         assert r["resumed"]["leftover"] == ["latest", "step_000000006", "step_000000008"]
     assert losses_of(runs["root"] / "killed") == whole
+    fsdp2 = runs["ranks"][0]["fsdp2_adahop_lv2"]["losses"]
+    assert all(r["fsdp2_resumed"] == fsdp2[4:] for r in runs["ranks"])  # FSDP2 from step 4, bit for bit
 
 
 @pytest.mark.parametrize("source", ["killed_at_6", "fsdp2_adahop_lv2"])
