@@ -13,8 +13,9 @@ Sections (``--sections``, in order):
   optimizer step, so every step sees the same weights): ``aot_eager`` (AOTAutograd without code
   generation: the same bits as eager), ``inductor`` and ``inductor`` with CUDA graphs
   (``mode="reduce-overhead"``) (close to eager: Inductor's fused elementwise kernels round
-  otherwise). Each row records the largest gradient difference and whether each step drew new
-  SR bits (the same batch and weights give other gradients);
+  otherwise; bf16 shows how much by itself). Each row records the largest relative difference of
+  the gradients (as one vector) over the steps and whether each step drew new SR bits (the same
+  batch and weights give other gradients);
 - ``host``: ms per forward + backward of that model at --tokens tokens, eager, compiled and
   CUDA-graphed, and the share of each step the GPU was idle (1 - kernel time / step time, from
   ``torch.profiler``).
@@ -112,7 +113,7 @@ def section_compiled(steps: int) -> list[dict]:
     from adahop.train.compile import compile_model
 
     rows = []
-    for recipe in ("tseng", "adahop_lv2"):
+    for recipe in ("bf16", "tseng", "adahop_lv2"):
         base = tiny_llama(recipe)
         for name, options in (("aot_eager", dict(backend="aot_eager")), ("inductor", {}),
                               ("cudagraphs", dict(mode="reduce-overhead"))):
@@ -123,14 +124,18 @@ def section_compiled(steps: int) -> list[dict]:
             for _ in range(steps):
                 (loss_e, grad_e), (loss_c, grad_c) = step(eager, batch(256)), step(compiled, batch(256))
                 losses_equal &= torch.equal(loss_e, loss_c)
-                worst = max(worst, ((grad_e - grad_c).abs().max() / grad_e.abs().max()).item())
+                worst = max(worst, ((grad_e - grad_c).norm() / grad_e.norm()).item())
                 grads.append(grad_c)
             new_bits = all(not torch.equal(grads[i], grads[i + 1]) for i in range(len(grads) - 1))
             calls_e = [la.calls for la in adahop.adahop_layers(eager).values()]
             calls_c = [la.calls for la in adahop.adahop_layers(compiled).values()]
             row = dict(recipe=recipe, compile=name, steps=steps, losses_equal=losses_equal,
-                       max_grad_diff_rel=worst, new_sr_bits_each_step=new_bits, calls_equal=calls_e == calls_c)
-            row["ok"] = row["calls_equal"] and new_bits and (worst == 0.0 if name == "aot_eager" else worst < 0.05)
+                       grad_diff_rel_norm=worst, new_sr_bits_each_step=new_bits, calls_equal=calls_e == calls_c)
+            # Inductor's elementwise kernels round otherwise than eager's, and a quantized GEMM
+            # turns an input that moved by an ulp into a code step now and then: close, not equal
+            # (bf16 gives the scale of Inductor's own part).
+            close = worst == 0.0 if name == "aot_eager" else worst < (1e-2 if recipe == "bf16" else 0.1)
+            row["ok"] = row["calls_equal"] and close and (new_bits or recipe == "bf16")
             rows.append(row)
     return rows
 

@@ -75,7 +75,11 @@ def dummy_pointer(device: torch.device) -> torch.Tensor:
     """A one-byte tensor for pointer arguments a launch does not use (one per device)."""
     t = _DUMMY.get(device)
     if t is None:
-        t = _DUMMY[device] = torch.empty((1,), dtype=torch.uint8, device=device)
+        t = torch.empty((1,), dtype=torch.uint8, device=device)
+        # Not kept when made during a CUDA graph capture: it would live in the graph's memory
+        # pool, which must hold nothing but the graph's own tensors (a fresh one per call there).
+        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _DUMMY[device] = t
     return t
 
 
