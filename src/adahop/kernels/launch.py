@@ -72,14 +72,17 @@ def nan_bytes_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def dummy_pointer(device: torch.device) -> torch.Tensor:
-    """A one-byte tensor for pointer arguments a launch does not use (one per device)."""
+    """A one-byte tensor for pointer arguments a launch does not use: one kept per CPU device, a
+    fresh one per call on a GPU. (A kept one made inside a compiled step would live in the memory
+    pool of its CUDA graphs, which must hold nothing but the graphs' own tensors: torch's
+    cudagraph trees refuse to replay then. An allocation from the caching allocator costs a few
+    microseconds of host time.)"""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return torch.empty((1,), dtype=torch.uint8, device=device)
     t = _DUMMY.get(device)
     if t is None:
-        t = torch.empty((1,), dtype=torch.uint8, device=device)
-        # Not kept when made during a CUDA graph capture: it would live in the graph's memory
-        # pool, which must hold nothing but the graph's own tensors (a fresh one per call there).
-        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _DUMMY[device] = t
+        t = _DUMMY[device] = torch.empty((1,), dtype=torch.uint8, device=device)
     return t
 
 
