@@ -57,7 +57,7 @@ def paper_modes(x: str, w: str, g: str, level: str) -> dict[str, str]:
 
 
 ALL_TRIPLES = [(x, w, g) for x in PATTERN_NAMES for w in PATTERN_NAMES for g in PATTERN_NAMES]
-RECIPE_NAMES = ("bf16", "mxfp4", "mxfp4_iht", "tseng", "adahop_lv2", "adahop_lv1")
+RECIPE_NAMES = ("bf16", "mxfp4", "mxfp4_iht", "tseng", "adahop_lv2", "adahop_lv1", "adahop_measured")
 
 
 # ----------------------------------------------------------------------------- table

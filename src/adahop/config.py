@@ -14,6 +14,9 @@ recipe          what it does
                 MXFP4, so that every recipe quantizes all three GEMMs and they compare fairly.
 ``adahop_lv2``  AdaHOP: calibrate, then the strategy table; (col, col) pairs run in BF16
 ``adahop_lv1``  AdaHOP with (col, col) as IHT + OE-right (less memory, the paper's Lv1)
+``adahop_measured``  calibrate, then the measured policy: each GEMM's mode from how well its
+                operands quantize under each mode, at most ``hp_budget`` (8%) of the FLOPs in
+                high precision (``policy.MeasuredPolicy``)
 ==============  ===============================================================================
 
 Rounding (docs/method.md, 'Stochastic rounding'): RNE for X and W, SR for G, unless a recipe says otherwise. Every
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 from adahop.formats.mxfp4 import DEFAULT_BLOCK_SIZE, ROUNDINGS, SCALE_MODES, check_block_size, check_choice
 from adahop.formats.rng import check_seed
 from adahop.patterns.detect import DEFAULT_TAU, check_tau
-from adahop.policy import GEMM_MODES, GEMMS, POLICY_LEVELS, check_modes
+from adahop.policy import DEFAULT_HP_BUDGET, GEMM_MODES, GEMMS, POLICIES, MeasuredPolicy, check_hp_budget, check_modes
 from adahop.transforms.hadamard import DEFAULT_HADAMARD_SIZE, check_hadamard_size
 
 # Where the MXFP4 GEMMs run (ops/backends.py implements and checks each; docs/kernels.md,
@@ -79,11 +82,16 @@ class AdaHOPConfig:
     fprop: GemmConfig = field(default_factory=GemmConfig)
     dgrad: GemmConfig = field(default_factory=lambda: GemmConfig(a_rounding="sr"))
     wgrad: GemmConfig = field(default_factory=lambda: GemmConfig(a_rounding="sr"))
-    # Adaptive recipes calibrate and let ``policy`` choose each GEMM's mode.
+    # Adaptive recipes calibrate and let ``policy`` choose each GEMM's mode: a level of the
+    # strategy table ("lv2", "lv1") or "measured" (``policy.MeasuredPolicy``).
     adaptive: bool = True
     policy: str = "lv2"
     # Optional replacement of the table: summary -> {fprop, dgrad, wgrad: mode} (see policy.py).
+    # With policy="measured" and none given, the config makes it: the measured policy with
+    # ``hp_budget`` and each GEMM's ``oe_k`` (remade whenever the config is, so it follows them).
     policy_fn: Callable[[Mapping], Mapping] | None = None
+    # The measured policy's budget: the share of a layer's GEMM FLOPs in high precision.
+    hp_budget: float = DEFAULT_HP_BUDGET
     calibration_steps: int = DEFAULT_CALIBRATION_STEPS
     tau: float = DEFAULT_TAU
     backend: str = "auto"
@@ -93,7 +101,8 @@ class AdaHOPConfig:
         for gemm in GEMMS:
             if not isinstance(getattr(self, gemm), GemmConfig):
                 raise ValueError(f"{gemm} must be a GemmConfig, got {getattr(self, gemm)!r}")
-        check_choice("policy", self.policy, POLICY_LEVELS)
+        check_choice("policy", self.policy, POLICIES)
+        check_hp_budget(self.hp_budget)
         check_choice("backend", self.backend, BACKEND_CHOICES)
         check_tau(self.tau)
         check_seed(self.seed)
@@ -104,6 +113,9 @@ class AdaHOPConfig:
             raise ValueError(f"calibration_steps must be an int >= 1, got {steps!r}")
         if not self.adaptive:
             check_modes(self.fixed_modes())
+        if self.policy == "measured" and (self.policy_fn is None or isinstance(self.policy_fn, _ConfigMeasuredPolicy)):
+            object.__setattr__(self, "policy_fn", _ConfigMeasuredPolicy(
+                self.hp_budget, tuple(self.gemm(g).oe_k for g in GEMMS)))
 
     def gemm(self, name: str) -> GemmConfig:
         check_choice("gemm", name, GEMMS)
@@ -130,7 +142,9 @@ class AdaHOPConfig:
         for gemm in GEMMS:
             d[gemm] = dataclasses.asdict(d[gemm])
         fn = d["policy_fn"]
-        if fn is not None:
+        if isinstance(fn, _ConfigMeasuredPolicy):
+            d["policy_fn"] = None  # made from the other fields again
+        elif fn is not None:
             d["policy_fn"] = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
         return d
 
@@ -161,6 +175,11 @@ class AdaHOPConfig:
         if name not in RECIPES:
             raise ValueError(f"unknown recipe {name!r}; known recipes: {tuple(RECIPES)}")
         return dataclasses.replace(RECIPES[name](), **overrides)
+
+
+class _ConfigMeasuredPolicy(MeasuredPolicy):
+    """The measured policy an ``AdaHOPConfig`` with policy="measured" makes from its own fields
+    (a subclass only to tell it from one a user passes as ``policy_fn``)."""
 
 
 def _uniform(recipe: str, mode: str) -> AdaHOPConfig:
@@ -202,6 +221,10 @@ def adahop_lv1() -> AdaHOPConfig:
     return AdaHOPConfig(recipe="adahop_lv1", policy="lv1")
 
 
+def adahop_measured() -> AdaHOPConfig:
+    return AdaHOPConfig(recipe="adahop_measured", policy="measured")
+
+
 RECIPES: dict[str, Callable[[], AdaHOPConfig]] = {
     "bf16": bf16,
     "mxfp4": mxfp4,
@@ -209,4 +232,5 @@ RECIPES: dict[str, Callable[[], AdaHOPConfig]] = {
     "tseng": tseng,
     "adahop_lv2": adahop_lv2,
     "adahop_lv1": adahop_lv1,
+    "adahop_measured": adahop_measured,
 }
