@@ -6,7 +6,9 @@
   tensor and layer kind, with the thresholds +-log2(tau) between which a tensor is "none";
 - ``pattern_changes.png``: per step, the share of layers whose label differs from their vote;
 - ``sqnr_by_pair.png``: per (A, B) pattern pair, the mean output SQNR of every strategy, with the
-  lv2 table's pick marked.
+  lv2 table's pick marked;
+- ``policies.png``: per GEMM (fprop, dgrad, wgrad), the mean output SQNR of each policy's picks
+  beside naive MXFP4 and the ceiling, each with its share of FLOPs in BF16.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from adahop.policy import table_mode
 
 PATTERN_COLORS = {"row": "#d62728", "col": "#1f77b4", "none": "#e6e6e6"}
 ROLE_NAMES = {"x": "X (activation)", "w": "W (weight)", "g": "G (output gradient)"}
-FIGURES = ("patterns_heatmap.png", "scores_depth.png", "pattern_changes.png", "sqnr_by_pair.png")
+FIGURES = ("patterns_heatmap.png", "scores_depth.png", "pattern_changes.png", "sqnr_by_pair.png", "policies.png")
 
 
 def _plt():
@@ -165,6 +167,20 @@ def pattern_changes(study: dict, path: Path) -> Path:
     return _save(fig, path)
 
 
+BASE_COLORS = {"mxfp4": "#7f7f7f", "iht": "#2ca02c", "iht_rs": "#98df8a"}
+
+
+def _strategy_color(plt, s: str, strategies: list[str]):
+    """Grey and greens for the transforms alone; OE-left in oranges, OE-right in blues, darker
+    for a larger k."""
+    if s in BASE_COLORS:
+        return BASE_COLORS[s]
+    side = s.split("@")[0]
+    same = [t for t in strategies if t.split("@")[0] == side]
+    shade = 0.35 + 0.6 * (same.index(s) + 1) / len(same)
+    return (plt.cm.Oranges if side == "iht+oe_left" else plt.cm.Blues)(shade)
+
+
 def sqnr_by_pair(study: dict, path: Path) -> Path:
     plt = _plt()
     by_pair = study["summary"]["by_pair"]
@@ -185,7 +201,7 @@ def sqnr_by_pair(study: dict, path: Path) -> Path:
         ys = [by_pair[p]["mean_sqnr_db"][s] for p in pairs]
         ys = [math.nan if y is None else y for y in ys]
         values += [y for y in ys if math.isfinite(y)]
-        ax.bar(xs, ys, width=width, color=f"C{j % 10}", label=s)
+        ax.bar(xs, ys, width=width, color=_strategy_color(plt, s, strategies), label=s)
     labels, marked = [], False
     for i, p in enumerate(pairs):
         a, b = p.strip("()").split(", ")
@@ -212,8 +228,52 @@ def sqnr_by_pair(study: dict, path: Path) -> Path:
     return _save(fig, path)
 
 
+def policies(study: dict, path: Path) -> Path:
+    plt = _plt()
+    gemms = ("fprop", "dgrad", "wgrad")
+    measured = [(la, g, la["gemms"][g]) for la in study["layers"] for g in gemms if "sqnr_db" in la["gemms"][g]]
+    fig, ax = plt.subplots(figsize=(10, 5.2), dpi=120)
+    ax.set_xlabel("GEMM (every studied layer, the measured steps)")
+    ax.set_ylabel("mean output SQNR vs float64 (dB, higher is better)")
+    if not measured:
+        ax.text(0.5, 0.5, "no GEMM was multiplied (sqnr_steps = 0)", ha="center", va="center", transform=ax.transAxes)
+        return _save(fig, path)
+
+    def series(strategy_of) -> tuple[list[float], float]:
+        means, hp, flops = [], 0.0, 0.0
+        for g in (*gemms, None):
+            vals = []
+            for la, gm, d in measured:
+                if g is None or gm == g:
+                    s = strategy_of(la, gm, d)
+                    vals += [v for v in d["sqnr_db"][s] if v is not None] if s else d["best_sqnr_db"]
+                    if g is None:
+                        hp += d["flops"] * d["hp_share"][s or d["best"][0]]
+                        flops += d["flops"]
+            means.append(sum(vals) / len(vals) if vals else math.nan)
+        return means, hp / flops
+
+    rows = [("naive MXFP4", lambda la, g, d: "mxfp4")]
+    rows += [(p, lambda la, g, d, p=p: la["policies"][p][g]["strategy"]) for p in study["policies"]]
+    rows.append(("the ceiling (best 4-bit mode)", lambda la, g, d: None))
+    width = 0.84 / len(rows)
+    values = []
+    for j, (name, fn) in enumerate(rows):
+        means, hp = series(fn)
+        xs = [i + (j - (len(rows) - 1) / 2) * width for i in range(len(means))]
+        ax.bar(xs, means, width=width, color=f"C{j % 10}", label=f"{name}: {100 * hp:.1f}% of FLOPs in BF16")
+        values += [m for m in means if math.isfinite(m)]
+    ax.set_xticks(range(len(gemms) + 1), [*gemms, "all GEMMs"])
+    ax.set_ylim(max(0.0, min(values) - 3), max(values) + 2)
+    ax.set_title("Mean output SQNR of each policy's picks, per GEMM (a BF16 pick counts at its ~55 dB)", fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.13))
+    return _save(fig, path)
+
+
 def write_figures(study: dict, folder: Path) -> list[Path]:
     folder = Path(folder)
     return [patterns_heatmap(study, folder / FIGURES[0]), scores_depth(study, folder / FIGURES[1]),
-            pattern_changes(study, folder / FIGURES[2]), sqnr_by_pair(study, folder / FIGURES[3])]
+            pattern_changes(study, folder / FIGURES[2]), sqnr_by_pair(study, folder / FIGURES[3]),
+            policies(study, folder / FIGURES[4])]
 

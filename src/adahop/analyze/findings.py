@@ -78,23 +78,23 @@ def _stability(layers: list[dict], steps: int) -> dict:
         stable = sum(len(set(ls)) == 1 for ls in labels)
         differ = [sum(ls[s] != la["tensors"][r]["pattern"] for ls, la in zip(labels, layers) if s < len(ls))
                   for s in range(steps)]
-        unit = sum(s["pattern"] != s["pattern_unit_rms"] for la in layers for s in la["tensors"][r]["steps"])
-        total_obs = sum(len(ls) for ls in labels)
         out[r] = {"tensors": len(layers), "stable": stable, "stable_share": _share(stable, len(layers)),
-                  "differ_from_vote_per_step": differ,
-                  "unit_rms_disagreements": unit, "observations": total_obs}
+                  "differ_from_vote_per_step": differ}
     return out
 
 
 def _policy(study: dict, name: str) -> dict:
-    k = study["settings"]["policy_oe_k"]
     picked, ceiling, naive, flops_hp, flops_all = [], [], [], 0.0, 0.0
     fp4_picked, fp4_ceiling = [], []
     best_hits, worse, shortfall = 0, 0, 0.0
     modes = {g: Counter() for g in GEMMS}
+    ks = Counter()
     for la in study["layers"]:
         for g in GEMMS:
-            modes[g][la["policies"][name][g]["mode"]] += 1
+            pick = la["policies"][name][g]
+            modes[g][pick["mode"]] += 1
+            if pick.get("oe_k") is not None:
+                ks[str(pick["oe_k"])] += 1
     for la, g, d in measured(study["layers"]):
         s = la["policies"][name][g]["strategy"]
         flops_all += d["flops"]
@@ -113,7 +113,7 @@ def _policy(study: dict, name: str) -> dict:
                 shortfall = max(shortfall, d["sqnr_db"]["mxfp4"][i] - v)
     mean, top = _mean(picked), _mean(ceiling)
     return {
-        "oe_k": k,
+        "oe_k": dict(sorted(ks.items(), key=lambda kv: int(kv[0]))),
         "modes": {g: dict(sorted(c.items())) for g, c in modes.items()},
         "measured_gemms": len(picked),
         "mean_sqnr_db": mean,

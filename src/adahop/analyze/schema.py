@@ -53,18 +53,18 @@ STATS = _obj({
     "col_energy_topk": _num("share of the squared norm in the policy_oe_k largest columns"),
     "rms": _num("root mean square of the tensor"),
     "absmax": _num("largest absolute value"),
-    "pattern_unit_rms": {"$ref": "#/$defs/pattern", "description": "the label of the tensor divided by its RMS "
-                         "(free of the detector's absolute 1e-8)"},
-    "cv_row_unit_rms": _num("cv_row of the tensor divided by its RMS"),
-    "cv_col_unit_rms": _num("cv_col of the tensor divided by its RMS"),
 }, description="one tensor at one step")
 
 TENSOR = _obj({
     "pattern": {"$ref": "#/$defs/pattern", "description": "majority vote over the steps (a tie: none)"},
     "votes": _obj({p: _int(f"steps labelled {p}") for p in PATTERNS}),
     "mean": _obj({k: _num(f"mean {k} over the steps") for k in
-                  ("cv_row", "cv_col", "row_energy_topk", "col_energy_topk")},
-                 description="what a policy sees (patterns.calibration.LayerCalibration.summary)"),
+                  ("cv_row", "cv_col", "row_energy_topk", "col_energy_topk")}, extra=NUM,
+                 description="what a policy sees (patterns.calibration.LayerCalibration.summary): the mean "
+                             "detector statistics and the quantization statistics of patterns.quant_error "
+                             "(nsr_mxfp4_d{d}, nsr_iht_d{d}, nsr_oe_d{d}@{k}: noise-to-signal ratio quantized "
+                             "along dim d, naive, IHT, IHT with the k outer slices exact; share_rows@{k}, "
+                             "share_cols@{k}: energy share of the k largest rows, columns; rows, cols)"),
     "steps": _list({"$ref": "#/$defs/stats"}, "per step, in order"),
 })
 
@@ -83,7 +83,9 @@ GEMM = _obj({
 }, required=["pair", "pairs"], description="one GEMM of a layer; the measured fields exist when sqnr_steps > 0")
 
 PICK = _obj({"mode": {"enum": list(GEMM_MODES), "description": "the policy's mode"},
-             "strategy": _str("the strategy that runs it (OE with k = policy_oe_k)")})
+             "oe_k": {"type": ["integer", "null"], "minimum": 1,
+                      "description": "OE k of an OE mode (the policy's own, else policy_oe_k); null otherwise"},
+             "strategy": _str("the strategy that runs it")})
 
 LAYER = _obj({
     "name": _str("qualified module name"),
@@ -99,7 +101,7 @@ LAYER = _obj({
 })
 
 POLICY_SUMMARY = _obj({
-    "oe_k": _int("OE k of its picks", 1),
+    "oe_k": _map(_int("picks"), "OE k -> its OE picks (layer x GEMM)"),
     "modes": _map(_map(_int("layers"), "mode -> layers"), "GEMM -> mode counts"),
     "measured_gemms": _int("(layer, GEMM, step) with SQNRs"),
     "mean_sqnr_db": _num("mean SQNR of its picks"),
@@ -127,8 +129,6 @@ STABILITY = _obj({
     "tensors": _int("layers"), "stable": _int("layers whose label is the same on every step"),
     "stable_share": _num("stable / tensors"),
     "differ_from_vote_per_step": _list(_int("layers"), "per step, layers whose label differs from the vote"),
-    "unit_rms_disagreements": _int("(layer, step) where the raw and unit-RMS labels differ"),
-    "observations": _int("(layer, step) observed"),
 })
 
 SUMMARY = _obj({
@@ -169,7 +169,7 @@ SCHEMA = {
     },
     "properties": {
         "format": {"const": "adahop-outlier-study"},
-        "format_version": {"const": 1},
+        "format_version": {"const": 2},
         "created": _str("local time the study ended, ISO 8601"),
         "versions": _map({"type": "string"}, "package -> version"),
         "model": {"type": "object", "description": "what was studied (free-form)"},

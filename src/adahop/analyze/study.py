@@ -9,9 +9,12 @@ strategy (``strategies.gemm_errors``): the expensive part, so by default one ste
 sampled: each GEMM is the one the step's batch gives (T = its tokens).
 
 After the steps, each layer's patterns are the calibration vote over the steps and each policy
-(a pure function of the calibration summary, as ``AdaHOPConfig.policy_fn``; lv2 and lv1 by
-default) picks its modes, run with OE k = ``policy_oe_k``. ``findings.summarize`` then computes
-the summary numbers, and ``report.write_report`` the report folder.
+(a pure function of the calibration summary, as ``AdaHOPConfig.policy_fn``; by default lv2, lv1
+and the measured policy, with its OE k chosen per GEMM and at ``policy_oe_k``) picks its modes,
+run with OE k = ``policy_oe_k`` unless the policy chose k (``policy.policy_result``). The OE k
+values measured include the measured policy's ladder (``patterns.quant_error.oe_k_ladder``).
+``findings.summarize`` then computes the summary numbers, and ``report.write_report`` the report
+folder.
 """
 
 from __future__ import annotations
@@ -43,19 +46,29 @@ from adahop.analyze.strategies import (
     strategy_of_mode,
 )
 from adahop.config import DEFAULT_OE_K
-from adahop.patterns.calibration import TENSOR_ROLES, LayerCalibration, TensorObservation
+from adahop.patterns.calibration import TENSOR_ROLES, LayerCalibration
 from adahop.patterns.detect import DEFAULT_TAU, check_tau
-from adahop.policy import GEMMS, check_modes, gemm_pattern_pairs, table_policy
+from adahop.patterns.quant_error import oe_k_ladder
+from adahop.policy import DEFAULT_HP_BUDGET, GEMMS, MeasuredPolicy, gemm_pattern_pairs, policy_result, table_policy
 
 FORMAT = "adahop-outlier-study"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the measured policy (quantization statistics, picks with their k); no unit-RMS labels
 DEFAULT_STEPS = 4
+# Profiles of the quantization error along each tensor's feature dims (patterns.quant_error): the
+# last dim of all three, and the weight's rows (N, dgrad's contraction dim) too.
+PROFILE_DIMS = {"x": (1,), "w": (1, 0), "g": (1,)}
 DEFAULT_SQNR_STEPS = 1
 
 
-def default_policies() -> dict[str, Callable[[Mapping], Mapping]]:
-    """The strategy table at both levels (``policy.table_policy``)."""
-    return {level: functools.partial(table_policy, level=level) for level in ("lv2", "lv1")}
+def default_policies(policy_oe_k: int = DEFAULT_OE_K,
+                     hp_budget: float = DEFAULT_HP_BUDGET) -> dict[str, Callable[[Mapping], Mapping]]:
+    """The strategy table at both levels (``policy.table_policy``) and the measured policy
+    (``policy.MeasuredPolicy``) with ``hp_budget``: ``measured`` chooses each GEMM's OE k from
+    the ladder of ``policy_oe_k``, ``measured_fixed_k`` runs OE with ``policy_oe_k`` (what a layer
+    of the ``adahop_measured`` recipe runs while the layer takes k from its config)."""
+    return {**{level: functools.partial(table_policy, level=level) for level in ("lv2", "lv1")},
+            "measured": MeasuredPolicy(hp_budget),
+            "measured_fixed_k": MeasuredPolicy(hp_budget, (policy_oe_k,) * 3)}
 
 
 def _check_int(name: str, v, lo: int) -> int:
@@ -93,6 +106,7 @@ class _LayerRecord:
         self.tokens: int | None = None
         self.steps = {r: [] for r in TENSOR_ROLES}
         self.calibration = LayerCalibration()
+        self.first_w = None  # the weight's observation (the same at every step)
         self.gemms: dict[str, dict] = {}
 
 
@@ -107,8 +121,9 @@ def run_study(model: nn.Module, batches: Iterable, *, steps: int = DEFAULT_STEPS
     ``batches``: ``(inputs, targets)`` pairs for the default loss (mean cross-entropy of the
     logits), or anything ``loss_fn(model, batch) -> scalar`` takes. ``module_filter(module,
     name)``: which ``nn.Linear`` layers (default: those ``convert_to_adahop_training`` converts).
-    ``oe_ks``: the OE k values measured (``policy_oe_k`` is added); ``policies``: name -> pure
-    function of a calibration summary (``AdaHOPConfig.policy_fn``), default lv2 and lv1;
+    ``oe_ks``: the OE k values measured (``policy_oe_k`` and its ladder are added); ``policies``:
+    name -> pure function of a calibration summary (``AdaHOPConfig.policy_fn``), default
+    ``default_policies(policy_oe_k)``;
     ``seed``: the random-signs seed of the ``iht_rs`` strategy (as ``AdaHOPConfig.seed``).
     ``info``: ``{"model": {...}, "data": {...}}`` descriptions kept in the report. With ``out``,
     the report folder is written there (``report.write_report``). Returns the study (the
@@ -121,8 +136,8 @@ def run_study(model: nn.Module, batches: Iterable, *, steps: int = DEFAULT_STEPS
     sqnr_steps = min(sqnr_steps, steps)
     check_tau(tau)
     _check_int("policy_oe_k", policy_oe_k, 1)
-    oe_ks = check_oe_ks((*check_oe_ks(oe_ks), policy_oe_k))
-    policies = dict(default_policies() if policies is None else policies)
+    oe_ks = check_oe_ks((*check_oe_ks(oe_ks), policy_oe_k, *oe_k_ladder(policy_oe_k)))
+    policies = dict(default_policies(policy_oe_k) if policies is None else policies)
     if not policies or not all(isinstance(n, str) and callable(f) for n, f in policies.items()):
         raise ValueError("policies must map names to functions summary -> {fprop, dgrad, wgrad: mode}")
     if out is not None:
@@ -160,15 +175,17 @@ def run_study(model: nn.Module, batches: Iterable, *, steps: int = DEFAULT_STEPS
                 rec.tokens = rec.tokens or c.x_TK.shape[0]
                 for role, t in (("x", c.x_TK), ("w", c.w_NK), ("g", c.g_TN)):
                     if role == "w" and rec.steps["w"]:  # no optimizer step: the first step's weight
-                        s = dict(rec.steps["w"][0])
+                        s, obs = dict(rec.steps["w"][0]), rec.first_w
                     else:
                         key = (t.data_ptr(), tuple(t.shape), t.stride())
                         if key not in shared:
-                            shared[key] = tensor_stats(t, tau=tau, k=policy_oe_k)
-                        s = dict(shared[key])
+                            shared[key] = tensor_stats(t, tau=tau, k=policy_oe_k, profile_dims=PROFILE_DIMS[role])
+                        s, obs = shared[key]
+                        s = dict(s)
+                        if role == "w":
+                            rec.first_w = obs
                     rec.steps[role].append(s)
-                    rec.calibration.add(role, TensorObservation(
-                        s["pattern"], s["cv_row"], s["cv_col"], s["row_energy_topk"], s["col_energy_topk"]))
+                    rec.calibration.add(role, obs)
             timing["statistics_s"] += time.perf_counter() - t0
             if step < sqnr_steps:
                 t0 = time.perf_counter()
@@ -196,7 +213,7 @@ def run_study(model: nn.Module, batches: Iterable, *, steps: int = DEFAULT_STEPS
         reasons = "; ".join(f"{n}: {r}" for n, r in list(skipped.items())[:4])
         raise ValueError(f"every linear layer was left out of the study ({reasons}"
                          f"{' ...' if len(skipped) > 4 else ''})")
-    layer_dicts = [_layer_dict(r, policies, policy_oe_k, sqnr_steps) for r in studied]
+    layer_dicts = [_layer_dict(r, policies, policy_oe_k, sqnr_steps, oe_ks) for r in studied]
     info = dict(info or {})
     study = {
         "format": FORMAT,
@@ -245,7 +262,7 @@ def _mean(values) -> float:
     return sum(vals) / len(vals) if vals else math.nan
 
 
-def _layer_dict(rec: _LayerRecord, policies: Mapping, policy_oe_k: int, sqnr_steps: int) -> dict:
+def _layer_dict(rec: _LayerRecord, policies: Mapping, policy_oe_k: int, sqnr_steps: int, settings_oe_ks) -> dict:
     summary = rec.calibration.summary()
     patterns = {r: summary[r]["pattern"] for r in TENSOR_ROLES}
     pairs = gemm_pattern_pairs(patterns)
@@ -254,10 +271,17 @@ def _layer_dict(rec: _LayerRecord, policies: Mapping, policy_oe_k: int, sqnr_ste
     picks = {}
     for pname, fn in policies.items():
         try:
-            modes = check_modes(fn(summary))
+            modes, ks = policy_result(fn(summary))
         except ValueError as e:
             raise ValueError(f"policy {pname!r} on layer {rec.name!r}: {e}") from None
-        picks[pname] = {g: {"mode": modes[g], "strategy": strategy_of_mode(modes[g], policy_oe_k)} for g in GEMMS}
+        picks[pname] = {}
+        for g in GEMMS:
+            k = ks.get(g, policy_oe_k) if modes[g] in ("iht+oe_left", "iht+oe_right") else None
+            strategy = strategy_of_mode(modes[g], k)
+            if strategy not in strategy_names(settings_oe_ks):
+                raise ValueError(f"policy {pname!r} on layer {rec.name!r} picks {strategy} for {g}: OE k={k} was "
+                                 f"not measured (measured: {list(settings_oe_ks)})")
+            picks[pname][g] = {"mode": modes[g], "oe_k": k, "strategy": strategy}
     gemms = {}
     for g in GEMMS:
         d = {"pair": list(pairs[g]), "pairs": [list(p[g]) for p in step_pairs]}
@@ -274,7 +298,8 @@ def _layer_dict(rec: _LayerRecord, policies: Mapping, policy_oe_k: int, sqnr_ste
         "name": rec.name, "block": rec.block, "kind": rec.kind, "in_features": rec.in_features,
         "out_features": rec.out_features, "tokens": rec.tokens,
         "tensors": {r: {"pattern": patterns[r], "votes": dict(rec.calibration.tensors[r].votes),
-                        "mean": {k: summary[r][k] for k in summary[r] if k != "pattern"},
+                        # the scalars: the profiles (one value per feature) would be most of the file
+                        "mean": {k: v for k, v in summary[r].items() if k != "pattern" and not isinstance(v, list)},
                         "steps": rec.steps[r]} for r in TENSOR_ROLES},
         "gemms": gemms,
         "policies": picks,
