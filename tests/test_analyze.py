@@ -13,11 +13,14 @@ import adahop
 from adahop import cli
 from adahop.analyze import REPORT_FILES, SCHEMA, figures, run_study, validate
 from adahop.analyze.collect import capture_step, find_linears
+from adahop.analyze.drift import measure_drift
 from adahop.analyze.strategies import gemm_errors, layer_gemms, sqnr_db
 from adahop.linear import make_gemm_plan, mxfp4_gemm
 from adahop.ops import get_backend
 from adahop.train import data as D
 from adahop.train import sources as S
+
+from tiny_lm import TinyLM, batches, encode_bytes, load_corpus
 
 OUTLIER_CHANNELS = [3, 17, 50]  # of fc1's input: X column-wise
 OUTLIER_ROWS = [5, 40, 77]  # of fc1's weight: W row-wise (output features)
@@ -364,3 +367,42 @@ def test_cli_on_a_run_folder(tmp_path, capsys):
     assert "adahop analyze --model run:" in st["model"]["command"]
     assert cli.main(["analyze", "--model", f"run:{run}", "--sources", "shakespeare", "--out", str(rep)]) == 2
     one_line_error(capsys, "the run's corpus has stdlib-mini")
+
+
+# ---- drift of a calibrated model ----------------------------------------------------------------------
+def test_measure_drift_sees_a_planted_change_and_leaves_training_alone():
+    """A tiny LM calibrated with adahop_lv2 and re-measured on the same kind of batches; then its
+    first layer's weight gets outlier rows (a label and a mode change), which only apply=True
+    puts into the layer. Gradients and the SR call counters are as before the measurement."""
+    torch.manual_seed(0)
+    model = TinyLM(d=64, layers=1, heads=2, seq_len=64)
+    cfg = adahop.AdaHOPConfig.from_recipe_name("adahop_lv2", calibration_steps=2, backend="reference")
+    adahop.convert_to_adahop_training(model, config=cfg.with_gemm_settings(oe_k=4))
+    tokens = encode_bytes(load_corpus()[:20000])
+    for inputs, targets in batches(tokens, batch=4, seq_len=64, steps=2, seed=0):
+        nn.functional.cross_entropy(model(inputs).reshape(-1, 256), targets.reshape(-1)).backward()
+    assert adahop.is_calibrated(model)
+    layers = adahop.adahop_layers(model)
+    frozen = {n: dict(m.modes) for n, m in layers.items()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    calls = {n: m.calls for n, m in layers.items()}
+
+    def measure(apply=False):
+        return measure_drift(model, batches(tokens, batch=4, seq_len=64, steps=2, seed=1), apply=apply)
+
+    same = measure()
+    assert same["steps"] == 2 and same["layers"] == len(layers)
+    assert same["label_changes"] <= 2 and set(same["changed"]) <= set(layers)
+    assert {n: m.calls for n, m in layers.items()} == calls
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
+
+    name, target = next((n, m) for n, m in layers.items() if n.endswith("up"))
+    with torch.no_grad():
+        target.weight[[1, 9]] *= 60  # outlier rows of W: row-wise, and fprop's pair changes
+    drift = measure()
+    assert drift["changed"][name]["patterns"]["w"][1] == "row"
+    assert "fprop" in drift["changed"][name]["modes"] and target.modes == frozen[name]
+    measure(apply=True)
+    assert target.modes["fprop"] == drift["changed"][name]["modes"]["fprop"][1] and target.patterns["w"] == "row"
+    with pytest.raises(ValueError, match="needs a calibrated adaptive model"):
+        measure_drift(nn.Sequential(nn.Linear(4, 4)), [])
