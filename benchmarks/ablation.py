@@ -181,7 +181,9 @@ def main(argv=None) -> int:
                    help="seeds (initialisation, data order and SR draws); gaps are paired by seed (default: 0)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads, 0 for torch's default (default: 1, fastest for the small CPU runs)")
-    p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (train/compile.py)")
+    p.add_argument("--compile", choices=("auto", "model", "blocks", "none"), default="auto",
+                   help="adahop train --compile: the whole model, each block or nothing; auto: the model on a GPU "
+                        "(default: %(default)s)")
     p.add_argument("--report", action="store_true", help="only write the table of the finished runs")
     args = p.parse_args(argv)
     env = environment("ablation.py", argv)

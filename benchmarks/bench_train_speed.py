@@ -57,7 +57,8 @@ def run_config(args, recipe: str, run_dir):
 
     cfg = preset(args.preset, recipe=recipe, model_size=args.model_size, calibration_steps=args.calibration_steps,
                  batch_size=args.batch_size, seq_len=args.seq_len, device=args.device,
-                 out_dir=str(run_dir), corpus_dir=args.corpus, progress=False, compile=args.compile == "blocks",
+                 out_dir=str(run_dir), corpus_dir=args.corpus, progress=False, compile=args.compile,
+                 cudagraphs=args.cudagraphs,
                  eval_every=0, ckpt_every=0)
     cfg = dataclasses.replace(cfg, steps=max(cfg.steps, args.steps[1] + args.profile_steps))
     cfg.validate()  # a device this machine lacks, a backend it cannot run: one line
@@ -79,13 +80,6 @@ def measure(args, recipe: str) -> dict:
         device = resolve_device(cfg.device)
         corpus = load_corpus(cfg.corpus_dir)
         model, batches = open_run(cfg, corpus)
-        if args.compile == "model":  # converted here as train() would, then compiled whole
-            from adahop.train.compile import compile_model
-            from adahop.train.precision import block_filter
-
-            adahop.convert_to_adahop_training(model, config=cfg.adahop,
-                                              module_filter_fn=block_filter(model, cfg.bf16_blocks))
-            compile_model(model, **({"mode": "reduce-overhead"} if args.cudagraphs else {}))
         cuda = device.type == "cuda"
 
         def sync():
@@ -226,8 +220,8 @@ def parse_args(argv=None):
                    help="training preset: batch, sequence length, optimizer, device (default: %(default)s)")
     g.add_argument("--model-size", default=None, choices=list(SIZES), help="model size (default: the preset's)")
     g.add_argument("--compile", choices=("model", "blocks", "none"), default="model",
-                   help="torch.compile the whole model (train.compile.compile_model), each transformer block "
-                        "(compile_blocks, as adahop train --compile), or nothing (default: %(default)s)")
+                   help="as adahop train --compile: torch.compile the whole model, each transformer block, or "
+                        "nothing (default: %(default)s)")
     g.add_argument("--no-compile", dest="compile", action="store_const", const="none", help="--compile none")
     g.add_argument("--cudagraphs", action="store_true",
                    help="with --compile model: replay each step's forward and backward as CUDA graphs "

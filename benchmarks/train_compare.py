@@ -56,7 +56,8 @@ def main(argv=None) -> int:
     p.add_argument("--tasks-dir", default=None, help="folder of exported task files (adahop eval --tasks-dir)")
     p.add_argument("--limit", type=int, default=None, help="first N items of each task")
     p.add_argument("--eval-batch-size", type=int, default=128, help="adahop eval --batch-size (default: %(default)s)")
-    p.add_argument("--compile", action="store_true", help="adahop train --compile: torch.compile each block")
+    p.add_argument("--compile", choices=("auto", "model", "blocks", "none"), default=None,
+                   help="adahop train --compile (default: its own, auto: the whole model on a GPU)")
     p.add_argument("--gpus", type=int, default=1, help="run the recipes in this many processes, one GPU each")
     p.add_argument("--per-gpu", type=int, default=1, help="processes sharing each GPU (shared tokens/s)")
     p.add_argument("--no-report", action="store_true", help="(worker processes) train and evaluate only")
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
         if args.seed is not None:
             train_argv += ["--seed", str(args.seed)]
         if args.compile:
-            train_argv += ["--compile"]
+            train_argv += ["--compile", args.compile]
         if cli.main(train_argv) != 0:
             return 2
         eval_argv = ["eval", "--run", str(run), "--tasks", *args.tasks]
@@ -114,7 +115,7 @@ def run_parallel(args) -> int:
         if value is not None:
             base += [flag, str(value)]
     if args.compile:
-        base += ["--compile"]
+        base += ["--compile", args.compile]
     procs = []
     workers = args.gpus * args.per_gpu
     for i in range(workers):

@@ -99,14 +99,18 @@ def test_oe_k_and_calibration_overrides(corpus, tmp_path):
 
 
 def test_compile_flag_reaches_the_run(corpus, tmp_path):
-    """--compile trains with compiled blocks (recorded in the run's config); without it, eager."""
+    """--compile model trains with the model compiled (recorded in the run's config); the
+    default is 'auto' (nothing on the CPU); --cudagraphs on the CPU is one line, exit 2."""
     run = tmp_path / "c"
-    assert cli.main(train_args(corpus, run, recipe="bf16", steps=2) + ["--compile"]) == 0
-    assert json.loads((run / "config.json").read_text())["compile"] is True
+    assert cli.main(train_args(corpus, run, recipe="bf16", steps=2) + ["--compile", "model"]) == 0
+    assert json.loads((run / "config.json").read_text())["compile"] == "model"
     assert len(losses(run)) == 2
     plain = tmp_path / "e"
     assert cli.main(train_args(corpus, plain, recipe="bf16", steps=2)) == 0
-    assert json.loads((plain / "config.json").read_text())["compile"] is False
+    assert json.loads((plain / "config.json").read_text())["compile"] == "auto"
+    assert cli.main(train_args(corpus, tmp_path / "g", recipe="bf16", steps=2) + ["--cudagraphs"]) == 2
+    assert cli.main(train_args(corpus, tmp_path / "h", recipe="bf16", steps=2)
+                    + ["--compile", "blocks", "--cudagraphs"]) == 2
 
 
 # ---- a user's mistakes: one line, exit 2, nothing written ----------------------------------------

@@ -29,7 +29,7 @@ def run(tmp_path, recipe, compile, **kw):
     torch._dynamo.utils.counters.clear()
     stop_after = kw.pop("stop_after", None)
     model = kw.pop("model", None) or llama()
-    cfg = config(tmp_path, recipe=recipe, steps=10, compile=compile, **kw)
+    cfg = config(tmp_path, recipe=recipe, steps=10, compile="blocks" if compile else "none", **kw)
     summary = train(cfg, model=model, train_batches=CountingBatches(), stop_after=stop_after)
     return summary, {k: dict(v) for k, v in torch._dynamo.utils.counters.items()}
 
@@ -160,7 +160,7 @@ def test_compiled_run_resumes_exactly(tmp_path):
     full, _ = run(tmp_path / "a", "adahop_lv2", True, ckpt_every=5)
     first, _ = run(tmp_path / "b", "adahop_lv2", True, ckpt_every=5, stop_after=5)
     torch._dynamo.reset()
-    cfg = config(tmp_path / "b", recipe="adahop_lv2", steps=10, compile=True, ckpt_every=5)
+    cfg = config(tmp_path / "b", recipe="adahop_lv2", steps=10, compile="blocks", ckpt_every=5)
     second = train(cfg, model=llama(seed=123), train_batches=CountingBatches(seed=99))
     assert first["losses"] + second["losses"] == full["losses"]
 
@@ -176,8 +176,10 @@ def test_compile_keeps_the_state_dict_keys():
 def test_compile_refuses_a_model_without_blocks_and_a_bad_flag(tmp_path):
     with pytest.raises(ValueError, match="no TransformerBlock"):
         compile_blocks(TinyLM(vocab=VOCAB, d=64, layers=2, heads=4, seq_len=SEQ))
-    with pytest.raises(ValueError, match="compile must be a bool"):
+    with pytest.raises(ValueError, match="compile must be one of"):
         TrainConfig(compile="yes").validate()
+    with pytest.raises(ValueError, match="cudagraphs replays the compiled model"):
+        TrainConfig(compile="blocks", cudagraphs=True).validate()
 
 
 def test_new_shapes_do_not_compile_once_each():

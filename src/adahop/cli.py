@@ -55,7 +55,8 @@ def train_config(args):
                  corpus_dir=str(Path(args.corpus).resolve()),  # absolute: eval and compare run from anywhere
                  model_size=args.model_size, device=args.device,
                  seq_len=args.seq_len, oe_k=args.oe_k, calibration_steps=args.calibration_steps,
-                 backend=args.backend, progress=not args.no_progress, compile=args.compile or None,
+                 backend=args.backend, progress=not args.no_progress, compile=args.compile,
+                 cudagraphs=args.cudagraphs or None,
                  bf16_blocks=args.bf16_blocks,
                  bf16_phase_start=args.bf16_phase[0] if args.bf16_phase else None,
                  bf16_phase_gemms=args.bf16_phase[1] if args.bf16_phase else None, parallel=args.parallel)
@@ -367,9 +368,13 @@ def _add_train_args(p):
     g = p.add_argument_group("behaviour")
     g.add_argument("--no-resume", action="store_true", help="start over even if the run folder has a checkpoint")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    g.add_argument("--compile", action="store_true",
-                   help="torch.compile each transformer block (the AdaHOP layers' quantized GEMMs run "
-                        "eagerly between the compiled parts); faster on a GPU, a minute of compiling first")
+    g.add_argument("--compile", choices=("auto", "model", "blocks", "none"), default=None,
+                   help="torch.compile the whole model ('model'), each transformer block ('blocks') or nothing; "
+                        "'auto' (the default): the model on a GPU, nothing on the CPU. A minute of compiling first")
+    g.add_argument("--no-compile", dest="compile", action="store_const", const="none", help="--compile none")
+    g.add_argument("--cudagraphs", action="store_true",
+                   help="replay each compiled training step as CUDA graphs (torch.compile mode 'reduce-overhead'): "
+                        "no host time per step; needs the model compiled on a GPU")
     g.add_argument("--parallel", default="none", choices=["none", "ddp", "fsdp2"],
                    help="data parallel, one process per GPU (or CPU process) under torchrun --nproc-per-node N: "
                         "ddp (every rank holds the model) or fsdp2 (parameters sharded per block); --batch-size is "

@@ -38,7 +38,7 @@ from adahop.train.checkpoint import (
     save_sharded,
     set_rng_state,
 )
-from adahop.train.compile import compile_blocks
+from adahop.train.compile import compile_blocks, compile_model
 from adahop.train.distributed import PARALLEL_CHOICES, Parallel
 from adahop.train.precision import (
     apply_bf16_phase,
@@ -85,7 +85,10 @@ class TrainConfig:
     seed: int = 0  # model initialisation and data order (the SR streams follow adahop.seed)
     device: str = "auto"
     autocast: str = "auto"  # "bf16", "none", or "auto": bf16 on CUDA, none on CPU
-    compile: bool = False  # torch.compile each transformer block (train/compile.py)
+    # torch.compile (train/compile.py): "model" (the whole model as one graph), "blocks" (each
+    # transformer block), "none", or "auto": the model on CUDA, none elsewhere
+    compile: str = "auto"
+    cudagraphs: bool = False  # with the model compiled: replay each step as CUDA graphs (reduce-overhead)
     parallel: str = "none"  # "ddp" or "fsdp2" under torchrun (train/distributed.py; batch_size is the global batch)
     log_every: int = 1
     sync_every: int = 10  # read losses back from the device every this many steps (see train())
@@ -121,6 +124,8 @@ class TrainConfig:
             d["adahop"] = q.with_gemm_settings(oe_k=flat["oe_k"]) if "oe_k" in flat else q
         elif "adahop" in d:
             d["adahop"] = AdaHOPConfig.from_dict(d["adahop"])
+        if isinstance(d.get("compile"), bool):  # adahop 0.1.0: True compiled each block
+            d["compile"] = "blocks" if d["compile"] else "none"
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -148,8 +153,13 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
                 raise ValueError(f"{name} must be a finite number {allowed}, got {v!r}")
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"compile must be a bool, got {self.compile!r}")
+        if self.compile not in COMPILE_CHOICES:
+            raise ValueError(f"compile must be one of {COMPILE_CHOICES}, got {self.compile!r}")
+        if not isinstance(self.cudagraphs, bool):
+            raise ValueError(f"cudagraphs must be a bool, got {self.cudagraphs!r}")
+        if self.cudagraphs and self.compile not in ("auto", "model"):
+            raise ValueError(f"cudagraphs replays the compiled model: it needs compile 'model' (or 'auto' on a GPU), "
+                             f"got compile {self.compile!r}")
         if self.parallel not in PARALLEL_CHOICES:
             raise ValueError(f"parallel must be one of {PARALLEL_CHOICES}, got {self.parallel!r}")
         if self.autocast not in ("auto", "bf16", "none"):
@@ -201,6 +211,21 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+COMPILE_CHOICES = ("auto", "model", "blocks", "none")
+
+
+def resolve_compile(cfg: TrainConfig, device: torch.device) -> str:
+    """What ``cfg.compile`` compiles on ``device``: "auto" is the whole model on CUDA (measured
+    faster there than per-block compile for every recipe, docs/results.md) and nothing on the CPU
+    (minutes of compiling for a debug run). CUDA graphs need a GPU: a ValueError elsewhere."""
+    mode = cfg.compile
+    if mode == "auto":
+        mode = "model" if device.type == "cuda" else "none"
+    if cfg.cudagraphs and (device.type != "cuda" or mode != "model"):
+        raise ValueError(f"cudagraphs needs the model compiled on a CUDA device, got compile {mode!r} on {device}")
+    return mode
+
+
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices only (not on norms, biases or the embedding). On CUDA the
     fused implementation (the whole update in one multi-tensor kernel per group of parameters
@@ -235,7 +260,7 @@ class StopTraining(Exception):  # noqa: N818  (a signal, not an error)
 # (``adahop.backend`` may change too: every backend gives the reference's quantized bits, and
 # their GEMMs differ only in accumulation order.)
 # (``parallel`` may change between ddp and fsdp2: their sharded checkpoints are the same format.)
-RESUMABLE_CHANGES = ("out_dir", "corpus_dir", "device", "compile", "progress", "log_every", "sync_every",
+RESUMABLE_CHANGES = ("out_dir", "corpus_dir", "device", "compile", "cudagraphs", "progress", "log_every", "sync_every",
                      "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "extra", "parallel")
 
 
@@ -371,7 +396,10 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
         adahop.convert_to_adahop_training(model, config=cfg.adahop,
                                           module_filter_fn=block_filter(model, cfg.bf16_blocks))
     model.to(device).train()
-    if cfg.compile:
+    compile_mode = resolve_compile(cfg, device)
+    if compile_mode == "model":
+        compile_model(model, **({"mode": "reduce-overhead"} if cfg.cudagraphs else {}))
+    elif compile_mode == "blocks":
         compile_blocks(model)
     par.shard_model(model, bf16=use_bf16)  # FSDP2: before the optimizer sees the parameters
     opt = make_optimizer(model, cfg)
