@@ -57,10 +57,9 @@ DEFAULT_SECTIONS = ("linear", "memory")
 DEFAULT_RECIPES = ("mxfp4", "mxfp4_iht", "tseng", "adahop_lv2", "adahop_lv1")
 BACKEND = "hopper_fp8"
 SINGLE_SHAPE = (14336, 4096)  # the layer of torchao, profile and memory
-ADAHOP_MODES = {  # a typical calibrated layer (activations col-wise, gradients row-wise)
-    "adahop_lv2": {"fprop": "iht", "dgrad": "iht+oe_left", "wgrad": "iht+oe_right"},
-    "adahop_lv1": {"fprop": "iht", "dgrad": "iht+oe_left", "wgrad": "iht+oe_right"},
-}
+# the modes of a typical calibrated layer (activations column-wise, gradients row-wise), which
+# every adaptive recipe runs here
+ADAHOP_MODES = {"fprop": "iht", "dgrad": "iht+oe_left", "wgrad": "iht+oe_right"}
 # What happens to the leaves' .grad between iterations of a timed forward + backward:
 # "fresh" (the default) drops x.grad and the weight's .grad first, as a training step does after
 # ``optimizer.zero_grad()`` (set_to_none): the backward then writes the gradients, and x's
@@ -81,7 +80,7 @@ def make_layer(recipe, N, K, backend, modes=None):
     if modes is not None:
         layer.set_modes(modes)
     elif layer.calibrating:
-        layer.set_modes(ADAHOP_MODES[recipe])
+        layer.set_modes(ADAHOP_MODES)
     return layer
 
 

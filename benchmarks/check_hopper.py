@@ -55,10 +55,9 @@ QUANTIZE_CASES = [  # (shape, dim, hadamard size, rounding, scale mode)
 ]
 GEMM_SHAPES = ((4096, 4096), (2048, 4096))  # a [M, K], b [N, K]
 LINEAR_SHAPE = (4096, 2048, 1536)  # T, K, N
-ADAHOP_MODES = {  # a typical calibrated layer (activations col-wise, gradients row-wise)
-    "adahop_lv2": {"fprop": "iht", "dgrad": "iht+oe_left", "wgrad": "iht+oe_right"},
-    "adahop_lv1": {"fprop": "iht", "dgrad": "iht+oe_left", "wgrad": "iht+oe_right"},
-}
+# the modes of a typical calibrated layer (activations column-wise, gradients row-wise), which
+# every adaptive recipe runs here
+ADAHOP_MODES = {"fprop": "iht", "dgrad": "iht+oe_left", "wgrad": "iht+oe_right"}
 
 
 LINEAR_RECIPES = tuple(adahop.RECIPES)
@@ -123,7 +122,7 @@ def check_linear() -> list[dict]:
             lin.weight.data.copy_(w)
             layer = adahop.AdaHOPLinear.from_float(lin, config=cfg, name="probe")
             if layer.calibrating:
-                layer.set_modes(ADAHOP_MODES[recipe])
+                layer.set_modes(ADAHOP_MODES)
             xx = x.detach().clone().requires_grad_()
             with torch.autocast(common.DEVICE, dtype=torch.bfloat16):
                 y = layer(xx)

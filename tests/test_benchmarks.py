@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from adahop.config import RECIPES
 from adahop.train import data as D
 from adahop.train import sources as S
 
@@ -160,7 +161,7 @@ def test_bench_linear_sections_on_cpu(on_cpu, tmp_path, monkeypatch):
     assert bl.main(["--sections", "linear,memory", "--recipes", "adahop_lv2", "--shapes", "96,64",
                     "--pairs", "2", "--rep", "50", "--out", str(out)]) == 0
     rows = rows_of(out)
-    assert [r["section"] for r in rows] == ["linear"] + ["memory"] * 7
+    assert [r["section"] for r in rows] == ["linear"] + ["memory"] * (1 + len(RECIPES))  # bf16_nn + every recipe
     assert all(r["benchmark"] == "bench_linear" and r["env"]["torch"] == torch.__version__ for r in rows)
     lin = rows[0]
     assert lin["shape"] == [96, 64] and lin["grads"] == "fresh"
@@ -170,7 +171,7 @@ def test_bench_linear_sections_on_cpu(on_cpu, tmp_path, monkeypatch):
     assert all(len(t["bf16"]) == 2 and len(t[name]) == 2 for name, t in lin["times_ms"].items())
     assert sorted(timed) == [30] * 4 + [50] * 4
     saved = {r["recipe"]: r["saved_bytes"] for r in rows[1:]}
-    assert set(saved) == {"bf16_nn", "bf16", "mxfp4", "mxfp4_iht", "tseng", "adahop_lv2", "adahop_lv1"}
+    assert set(saved) == {"bf16_nn", *RECIPES}
     # BF16 keeps x and the bf16 weight for the backward, naive mxfp4 their packed MXFP4 (17/32 byte per value)
     assert saved["bf16"] == saved["bf16_nn"] and saved["mxfp4"] < saved["bf16_nn"] / 3
 

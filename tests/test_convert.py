@@ -13,6 +13,7 @@ from torch import nn
 
 import adahop
 from adahop import AdaHOPConfig, AdaHOPLinear
+from adahop.policy import policy_result
 
 from tiny_lm import TinyLM, batches, encode_bytes, lm_loss, load_corpus
 
@@ -403,7 +404,11 @@ def test_converted_tiny_transformer_trains_under_every_recipe(recipe, tokens):
         level = cfg.policy
         for layer in layers.values():
             assert layer.calibration.steps == 3
-            assert layer.modes == adahop.modes_from_patterns(layer.patterns, level)
+            if level == "measured":  # the modes (and OE k) the measured policy picks from the statistics
+                modes, oe_ks = policy_result(cfg.policy_fn(layer.calibration.summary()))
+                assert layer.modes == modes and (layer.oe_ks or {}) == oe_ks
+            else:
+                assert layer.modes == adahop.modes_from_patterns(layer.patterns, level)
     for layer in layers.values():
         # the counter that seeds stochastic rounding; the bf16 recipe's layers are F.linear
         # (no draws, nothing counted, so that torch.compile traces them)

@@ -767,3 +767,29 @@ def test_evaluation_between_steps_does_not_change_training():
         grads.append(fwd_bwd(layer, x, g)[2].clone())
     assert torch.equal(grads[0], grads[1])
     assert layer.calls == 2
+
+
+def test_a_policys_own_oe_k_reaches_the_gemms_and_the_state(tmp_path):
+    """A layer whose policy chose an OE k per GEMM runs it (the plan's k), keeps it in its extra
+    state and in modes.json, and a bad k is refused in one line."""
+    from adahop.modes_io import load_modes, save_modes
+
+    def layer():
+        return AdaHOPLinear.from_float(torch.nn.Linear(64, 96, bias=False),
+                                       config=AdaHOPConfig.from_recipe_name("adahop_lv2"), name="l")
+
+    a = layer()
+    modes = {"fprop": "iht", "dgrad": "iht+oe_left", "wgrad": "iht+oe_right"}
+    a.set_modes(modes, oe_ks={"dgrad": 16, "wgrad": 8})
+    plan = a._plan(torch.device("cpu"))
+    assert (plan.fprop.oe_k, plan.dgrad.oe_k, plan.wgrad.oe_k) == (a.config.fprop.oe_k, 16, 8)
+    b = layer()
+    b.load_state_dict(a.state_dict())
+    assert b.oe_ks == {"dgrad": 16, "wgrad": 8} and b._plan(torch.device("cpu")).wgrad.oe_k == 8
+    holder = torch.nn.Sequential(a)
+    save_modes(holder, tmp_path / "modes.json")
+    c = torch.nn.Sequential(layer())
+    load_modes(c, tmp_path / "modes.json")
+    assert c[0].oe_ks == {"dgrad": 16, "wgrad": 8} and c[0].modes == modes
+    with pytest.raises(ValueError, match="oe_k must map GEMMs"):
+        a.set_modes(modes, oe_ks={"dgrad": 0})

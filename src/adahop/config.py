@@ -88,7 +88,7 @@ class AdaHOPConfig:
     policy: str = "lv2"
     # Optional replacement of the table: summary -> {fprop, dgrad, wgrad: mode} (see policy.py).
     # With policy="measured" and none given, the config makes it: the measured policy with
-    # ``hp_budget`` and each GEMM's ``oe_k`` (remade whenever the config is, so it follows them).
+    # ``hp_budget``, choosing each OE GEMM's k around its ``oe_k`` (remade whenever the config is).
     policy_fn: Callable[[Mapping], Mapping] | None = None
     # The measured policy's budget: the share of a layer's GEMM FLOPs in high precision.
     hp_budget: float = DEFAULT_HP_BUDGET
@@ -114,8 +114,8 @@ class AdaHOPConfig:
         if not self.adaptive:
             check_modes(self.fixed_modes())
         if self.policy == "measured" and (self.policy_fn is None or isinstance(self.policy_fn, _ConfigMeasuredPolicy)):
-            object.__setattr__(self, "policy_fn", _ConfigMeasuredPolicy(
-                self.hp_budget, tuple(self.gemm(g).oe_k for g in GEMMS)))
+            # k is part of the choice (from k/4 to 2k of each GEMM's oe_k: quant_error.oe_k_ladder)
+            object.__setattr__(self, "policy_fn", _ConfigMeasuredPolicy(self.hp_budget, None))
 
     def gemm(self, name: str) -> GemmConfig:
         check_choice("gemm", name, GEMMS)

@@ -96,14 +96,17 @@ class LayerPlan:
 
 
 # ---- the numerics key: the ops' one description of a layer's GEMMs ----------------------------
-def numerics_key(config: AdaHOPConfig, modes: dict, signs_seeds: tuple[int, int, int]) -> str:
+def numerics_key(config: AdaHOPConfig, modes: dict, signs_seeds: tuple, oe_ks: dict | None = None) -> str:
     """The ``numerics`` argument of the ops: the layer's modes, each GEMM's settings (from
-    ``config``, already checked by ``GemmConfig``) and random-sign seed, and the backend name."""
+    ``config``, already checked by ``GemmConfig``; ``oe_ks``: a layer's own OE k per GEMM, which
+    a policy chose, in place of the config's) and random-sign seed, and the backend name."""
     gemms = []
     for gemm, signs in zip(GEMMS, signs_seeds):
         cfg = dataclasses.asdict(config.gemm(gemm))
         cfg["mode"] = modes[gemm]
         cfg["signs_seed"] = signs
+        if oe_ks and gemm in oe_ks:
+            cfg["oe_k"] = oe_ks[gemm]
         gemms.append(cfg)
     return json.dumps({"backend": config.backend, "gemms": gemms}, sort_keys=True, separators=(",", ":"))
 

@@ -55,7 +55,7 @@ from adahop.layer_ops import (  # noqa: F401  (GemmPlan, LayerPlan, make_gemm_pl
 )
 from adahop.patterns.calibration import LayerCalibration, observe_tensor
 from adahop.patterns.detect import check_patterns
-from adahop.policy import GEMMS, check_modes, table_policy
+from adahop.policy import GEMMS, policy_result, table_policy
 
 EXTRA_STATE_VERSION = 1
 
@@ -107,6 +107,7 @@ class AdaHOPLinear(nn.Linear):
         self.register_buffer("rng_state", torch.zeros(2, dtype=torch.int64, device=device), persistent=False)
         self.config = config  # (sets rng_state's prefix)
         self.calibration = LayerCalibration() if config.adaptive else None
+        self.oe_ks: dict | None = None  # the OE k per GEMM a policy chose (None: the config's)
         self.patterns: dict | None = None
         self.modes: dict | None = None if config.adaptive else config.fixed_modes()
         # False: the layer does not freeze itself when calibration ends; the caller merges the
@@ -167,7 +168,12 @@ class AdaHOPLinear(nn.Linear):
 
     def _observe(self, role: str, t: torch.Tensor) -> None:
         k = {"x": self.config.fprop.oe_k, "w": self.config.fprop.oe_k, "g": self.config.dgrad.oe_k}[role]
-        self.calibration.add(role, observe_tensor(t, tau=self.config.tau, k=k))
+        # The quantization statistics (patterns.quant_error) are what the measured policy reads,
+        # and cost about a third more calibration time: only for it. The weight's error profile
+        # along dim 0 too: dgrad quantizes it along N.
+        measured = self.config.policy == "measured"
+        self.calibration.add(role, observe_tensor(t, tau=self.config.tau, k=k, quant=measured,
+                                                  profile_dims=(1, 0) if role == "w" else (1,)))
 
     def _after_calibration_step(self) -> None:
         if (self.freeze_when_calibrated and self.calibrating
@@ -182,16 +188,21 @@ class AdaHOPLinear(nn.Linear):
             raise ValueError(f"layer {self.layer_name!r} has observed no backward pass yet")
         summary = self.calibration.summary()
         policy = self.config.policy_fn
-        modes = policy(summary) if policy is not None else table_policy(summary, self.config.policy)
-        self.modes = check_modes(modes)
+        result = policy(summary) if policy is not None else table_policy(summary, self.config.policy)
+        modes, oe_ks = policy_result(result)
         self.patterns = {r: summary[r]["pattern"] for r in ("x", "w", "g")}
+        self.__dict__["oe_ks"] = oe_ks or None
+        self.modes = modes  # (after oe_ks: the numerics follow both)
         return dict(self.modes)
 
-    def set_modes(self, modes: dict, patterns: dict | None = None) -> None:
-        """Freeze the layer's modes (e.g. loaded from JSON): no calibration afterwards."""
-        modes = check_modes(modes)
+    def set_modes(self, modes: dict, patterns: dict | None = None, oe_ks: dict | None = None) -> None:
+        """Freeze the layer's modes (e.g. loaded from JSON): no calibration afterwards. ``oe_ks``:
+        an OE k per GEMM in place of the config's (what the measured policy may choose)."""
+        modes, oe_ks = policy_result({**modes, **({"oe_k": oe_ks} if oe_ks else {})})
         patterns = check_patterns(patterns) if patterns is not None else self.patterns
-        self.modes, self.patterns = modes, patterns
+        self.patterns = patterns
+        self.__dict__["oe_ks"] = oe_ks or None
+        self.modes = modes
 
     # ---- forward -------------------------------------------------------------------------------
     def _refresh_numerics(self) -> None:
@@ -207,7 +218,7 @@ class AdaHOPLinear(nn.Linear):
         prefix = mix_seeds(config.seed, self.layer_id)
         signs = tuple(mix_seeds_from(prefix, GEMM_INDEX[g], 2) if config.gemm(g).random_signs else None
                       for g in GEMMS)
-        self.__dict__["_numerics"] = numerics_key(config, modes, signs)
+        self.__dict__["_numerics"] = numerics_key(config, modes, signs, self.__dict__.get("oe_ks"))
 
     def _plan(self, device: torch.device, needs_backward: bool = True) -> LayerPlan:
         """The plan of the next call (its SR seeds read the current counter): for inspection;
@@ -272,6 +283,7 @@ class AdaHOPLinear(nn.Linear):
             "calibration": None if self.calibration is None else self.calibration.to_dict(),
             "patterns": None if self.patterns is None else dict(self.patterns),
             "modes": None if self.modes is None else dict(self.modes),
+            "oe_k": None if self.oe_ks is None else dict(self.oe_ks),  # (absent before: the config's k)
         }
 
     def set_extra_state(self, state: dict) -> None:
@@ -290,7 +302,7 @@ class AdaHOPLinear(nn.Linear):
             self.calibration = LayerCalibration.from_dict(state["calibration"])
         self.patterns = state["patterns"]
         if state["modes"] is not None:
-            self.modes = check_modes(state["modes"])
+            self.set_modes(state["modes"], oe_ks=state.get("oe_k"))
         elif self.config.adaptive:
             self.modes = None
         else:

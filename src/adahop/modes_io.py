@@ -1,5 +1,6 @@
 """Calibrated modes as JSON: ``{layer: {"fprop": mode, "dgrad": mode, "wgrad": mode,
-"patterns": {"x": .., "w": .., "g": ..}}}`` (the "patterns" entry is optional on load).
+"patterns": {"x": .., "w": .., "g": ..}, "oe_k": {gemm: k}}}`` ("patterns" is optional on load;
+"oe_k" is there for a layer whose policy chose its own OE k per GEMM).
 
 The file is written atomically (a temporary file in the same folder, then ``os.replace``), so an
 interrupted dump never leaves a half-written file behind.
@@ -15,7 +16,7 @@ from torch import nn
 from adahop.atomic_io import atomic_write_bytes
 from adahop.convert import adahop_layers
 from adahop.patterns.detect import check_patterns
-from adahop.policy import GEMMS, check_modes
+from adahop.policy import GEMMS, policy_result
 
 
 def modes_dict(model: nn.Module) -> dict[str, dict]:
@@ -26,6 +27,8 @@ def modes_dict(model: nn.Module) -> dict[str, dict]:
         entry = {g: layer.modes[g] for g in GEMMS}
         if layer.patterns is not None:
             entry["patterns"] = dict(layer.patterns)
+        if layer.oe_ks is not None:
+            entry["oe_k"] = dict(layer.oe_ks)
         out[fqn] = entry
     return out
 
@@ -50,17 +53,18 @@ def load_modes_dict(model: nn.Module, modes: dict) -> None:
         if not isinstance(entry, dict):
             raise ValueError(f"modes of layer {fqn!r} must be an object {{fprop, dgrad, wgrad[, patterns]}}, "
                              f"got {entry!r}")
-        extra = sorted(set(entry) - set(GEMMS) - {"patterns"})
+        extra = sorted(set(entry) - set(GEMMS) - {"patterns", "oe_k"})
         if extra:
-            raise ValueError(f"layer {fqn!r}: unknown keys {extra}; allowed: {list(GEMMS) + ['patterns']}")
+            raise ValueError(f"layer {fqn!r}: unknown keys {extra}; allowed: {list(GEMMS) + ['patterns', 'oe_k']}")
         try:
-            gemm_modes = check_modes({g: entry[g] for g in GEMMS if g in entry})
+            gemm_modes, oe_ks = policy_result({**{g: entry[g] for g in GEMMS if g in entry},
+                                               **({"oe_k": entry["oe_k"]} if entry.get("oe_k") else {})})
             patterns = check_patterns(entry["patterns"]) if entry.get("patterns") is not None else None
         except ValueError as e:
             raise ValueError(f"layer {fqn!r}: {e}") from None
-        checked[fqn] = (gemm_modes, patterns)
-    for fqn, (gemm_modes, patterns) in checked.items():
-        layers[fqn].set_modes(gemm_modes, patterns)
+        checked[fqn] = (gemm_modes, patterns, oe_ks)
+    for fqn, (gemm_modes, patterns, oe_ks) in checked.items():
+        layers[fqn].set_modes(gemm_modes, patterns, oe_ks=oe_ks or None)
 
 
 def load_modes(model: nn.Module, path: str | os.PathLike) -> None:

@@ -93,17 +93,17 @@ def _quant_error(sub: torch.Tensor, iht: bool) -> torch.Tensor:
     return (q - v).square()
 
 
-def _strided(n: int, most: int) -> torch.Tensor:
+def _strided(n: int, most: int, device) -> torch.Tensor:
     """Up to ``most`` of range(n), every ceil(n / most)-th."""
-    return torch.arange(0, n, max(1, -(-n // most)))[:most]
+    return torch.arange(0, n, max(1, -(-n // most)), device=device)[:most]
 
 
 def _sample(order: torch.Tensor, keep: int, most: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``keep`` of ``order`` and every n-th of the others by index (up to ``most``),
     with their weights: 1 for the kept, (others / sampled) for the sampled."""
     top, rest = order[:keep], order[keep:]
-    picked = rest.sort().values[_strided(rest.numel(), most)] if rest.numel() else rest
-    weights = torch.ones(top.numel() + picked.numel())
+    picked = rest.sort().values[_strided(rest.numel(), most, order.device)] if rest.numel() else rest
+    weights = torch.ones(top.numel() + picked.numel(), device=order.device)
     if picked.numel():
         weights[top.numel():] = rest.numel() / picked.numel()
     return torch.cat((top, picked)), weights
@@ -129,7 +129,7 @@ def _dim_stats(v: torch.Tensor, energy: torch.Tensor, order: torch.Tensor, index
                                    most - most // 4)
         cells = cells.reshape(rows.numel(), n_groups, BLOCK)[:, groups].reshape(rows.numel(), -1)
     else:
-        w_groups = torch.ones(n_groups)
+        w_groups = torch.ones(n_groups, device=v.device)
     weight = (w_rows[:, None] * w_groups[None, :]).repeat_interleave(BLOCK, dim=1)  # per element
     signal = (cells.square() * weight).sum().item()
     out = {}
