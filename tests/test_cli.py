@@ -359,3 +359,19 @@ def test_bf16_blocks_and_phase_reach_the_run(corpus, tmp_path, capsys):
     one_line_error(capsys, "bf16_phase_start must be")
     with pytest.raises(SystemExit):
         cli.main(train_args(corpus, tmp_path / "x") + ["--bf16-blocks", "1"])
+
+
+def test_drift_is_measured_at_the_final_evaluation(corpus, tmp_path):
+    """--drift measure re-observes the calibrated layers on held-out batches at the evaluation
+    and logs what changed (here: the end of a short run); bad combinations are one line."""
+    run = tmp_path / "d"
+    args = train_args(corpus, run, steps=6) + ["--calibration-steps", "2", "--drift", "measure"]
+    assert cli.main(args) == 0
+    records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    drift = next(r["final_eval"]["drift"] for r in records if "final_eval" in r)
+    assert drift["steps"] >= 1 and drift["layers"] > 0
+    assert drift["label_changes"] >= 0 and drift["mode_changes"] >= 0
+    assert set(drift["changed"]) <= {f"layers.{i}." + n for i in range(8)
+                                     for n in ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                                               "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")}
+    assert cli.main(train_args(corpus, tmp_path / "e", recipe="mxfp4") + ["--drift", "measure"]) == 2

@@ -59,12 +59,33 @@ def train_config(args):
                  cudagraphs=args.cudagraphs or None,
                  bf16_blocks=args.bf16_blocks,
                  bf16_phase_start=args.bf16_phase[0] if args.bf16_phase else None,
-                 bf16_phase_gemms=args.bf16_phase[1] if args.bf16_phase else None, parallel=args.parallel)
+                 bf16_phase_gemms=args.bf16_phase[1] if args.bf16_phase else None, parallel=args.parallel,
+                 drift=args.drift)
     cfg.validate()  # the fraction and the GEMM names are checked here, with the calibration length
     from adahop.train.distributed import check_launch
 
     check_launch(cfg.parallel, cfg.batch_size)  # torchrun's environment, the batch split over its ranks
     return cfg
+
+
+def drift_of(model, corpus, cfg) -> dict:
+    """``analyze.drift.measure_drift`` on the first ``drift_batches`` held-out batches of each
+    source, as training runs (bf16 autocast on a GPU; a compiled model eagerly: its observations
+    read back to the host), the changes applied with ``cfg.drift == "apply"``."""
+    import itertools
+
+    import torch
+
+    from adahop.analyze.drift import measure_drift
+    from adahop.train.data import TokenBatches
+
+    device = next(model.parameters()).device
+    batches = [b for s in corpus.sources for b in itertools.islice(
+        TokenBatches(corpus, "val", batch_size=cfg.batch_size, seq_len=cfg.seq_len, sources=[s]), cfg.drift_batches)]
+    batches = [(x.to(device), y.to(device)) for x, y in batches]
+    with torch.compiler.set_stance("force_eager"), torch.autocast(
+            device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        return measure_drift(model, batches, apply=cfg.drift == "apply")
 
 
 def run_train(args) -> dict:
@@ -91,7 +112,10 @@ def run_train(args) -> dict:
     model, batches = open_run(cfg, corpus)
 
     def eval_fn(m):
-        return heldout_eval(m, corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size, max_batches=cfg.eval_batches)
+        result = heldout_eval(m, corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size, max_batches=cfg.eval_batches)
+        if cfg.drift != "off" and adahop.is_calibrated(m):
+            result["drift"] = drift_of(m, corpus, cfg)
+        return result
 
     summary = train(cfg, model=model, train_batches=batches, eval_fn=eval_fn, resume=not args.no_resume)
     final = (summary["final_eval"] or {}).get("sources", {})
@@ -375,6 +399,10 @@ def _add_train_args(p):
     g.add_argument("--cudagraphs", action="store_true",
                    help="replay each compiled training step as CUDA graphs (torch.compile mode 'reduce-overhead'): "
                         "no host time per step; needs the model compiled on a GPU")
+    g.add_argument("--drift", choices=("off", "measure", "apply"), default=None,
+                   help="at each evaluation, re-measure the calibrated layers' patterns and modes on held-out "
+                        "batches and log the changes ('measure'), or also switch to the new modes ('apply'); "
+                        "default: off")
     g.add_argument("--parallel", default="none", choices=["none", "ddp", "fsdp2"],
                    help="data parallel, one process per GPU (or CPU process) under torchrun --nproc-per-node N: "
                         "ddp (every rank holds the model) or fsdp2 (parameters sharded per block); --batch-size is "

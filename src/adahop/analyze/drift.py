@@ -97,7 +97,7 @@ def measure_drift(model: nn.Module, batches: Iterable, *, loss_fn: Callable | No
             continue  # no gradient reached it
         summary = cal.summary()
         patterns = {r: summary[r]["pattern"] for r in TENSOR_ROLES}
-        modes, _ = policy_result(layer_policy(layer)(summary))
+        modes, oe_ks = policy_result(layer_policy(layer)(summary))
         entry = {}
         frozen_patterns = layer.patterns or {}
         p_diff = {r: [frozen_patterns.get(r), patterns[r]] for r in TENSOR_ROLES
@@ -112,6 +112,6 @@ def measure_drift(model: nn.Module, batches: Iterable, *, loss_fn: Callable | No
         if entry:
             changed[name] = entry
             if apply:
-                layer.set_modes(modes, patterns)
+                layer.set_modes(modes, patterns, oe_ks=oe_ks or None)
     return {"steps": steps, "layers": len(layers), "label_changes": labels, "mode_changes": modes_changed,
             "changed": changed}

@@ -94,6 +94,10 @@ class TrainConfig:
     sync_every: int = 10  # read losses back from the device every this many steps (see train())
     eval_every: int = 0  # 0: only at the end
     eval_batches: int = 8
+    # at each evaluation, re-measure the calibrated layers' patterns and modes on held-out batches
+    # (analyze.drift): "off", "measure" (log the changes), "apply" (also switch to the new modes)
+    drift: str = "off"
+    drift_batches: int = 2  # held-out batches per source for each drift measurement
     ckpt_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
     progress: bool = True
@@ -142,7 +146,7 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        for name in ("warmup_steps", "eval_every", "ckpt_every", "log_every", "keep_checkpoints"):
+        for name in ("warmup_steps", "eval_every", "ckpt_every", "log_every", "keep_checkpoints", "drift_batches"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name, ok, allowed in (("lr", lambda v: v > 0, "> 0"), ("min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -160,6 +164,15 @@ class TrainConfig:
         if self.cudagraphs and self.compile not in ("auto", "model"):
             raise ValueError(f"cudagraphs replays the compiled model: it needs compile 'model' (or 'auto' on a GPU), "
                              f"got compile {self.compile!r}")
+        if self.drift not in DRIFT_CHOICES:
+            raise ValueError(f"drift must be one of {DRIFT_CHOICES}, got {self.drift!r}")
+        if self.drift != "off" and self.drift_batches < 1:
+            raise ValueError(f"drift needs drift_batches >= 1, got {self.drift_batches}")
+        if self.drift != "off" and not self.adahop.adaptive:
+            raise ValueError(f"drift re-measures calibrated layers: recipe {self.recipe!r} does not calibrate")
+        if self.drift == "apply" and self.parallel != "none":
+            raise ValueError("drift 'apply' re-decides each rank's modes on its own: not with --parallel "
+                             "(use 'measure')")
         if self.parallel not in PARALLEL_CHOICES:
             raise ValueError(f"parallel must be one of {PARALLEL_CHOICES}, got {self.parallel!r}")
         if self.autocast not in ("auto", "bf16", "none"):
@@ -212,6 +225,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 COMPILE_CHOICES = ("auto", "model", "blocks", "none")
+DRIFT_CHOICES = ("off", "measure", "apply")
 
 
 def resolve_compile(cfg: TrainConfig, device: torch.device) -> str:
@@ -261,7 +275,8 @@ class StopTraining(Exception):  # noqa: N818  (a signal, not an error)
 # their GEMMs differ only in accumulation order.)
 # (``parallel`` may change between ddp and fsdp2: their sharded checkpoints are the same format.)
 RESUMABLE_CHANGES = ("out_dir", "corpus_dir", "device", "compile", "cudagraphs", "progress", "log_every", "sync_every",
-                     "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "extra", "parallel")
+                     "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "extra", "parallel",
+                     "drift_batches")
 
 
 def resume_conflicts(saved: dict, cfg: TrainConfig) -> list[str]:
