@@ -165,15 +165,17 @@ def test_bad_policy_arguments_and_results():
 def test_the_recipe_config_follows_its_k_and_round_trips():
     cfg = AdaHOPConfig.from_recipe_name("adahop_measured")
     assert cfg.adaptive and cfg.policy == "measured" and isinstance(cfg.policy_fn, MeasuredPolicy)
-    assert (cfg.policy_fn.budget, cfg.policy_fn.oe_k) == (0.08, (64, 64, 64))
+    # k is part of the choice: from the ladder the layer observes around each GEMM's oe_k
+    assert (cfg.policy_fn.budget, cfg.policy_fn.oe_k) == (0.08, None)
     small = cfg.with_gemm_settings(oe_k=OE_K).replace(hp_budget=0.05)
-    assert (small.policy_fn.budget, small.policy_fn.oe_k) == (0.05, (OE_K,) * 3)  # remade with the config
+    assert small.policy_fn.budget == 0.05 and small.policy_fn is not cfg.policy_fn  # remade with the config
     d = small.to_dict()
     assert d["policy_fn"] is None and d["hp_budget"] == 0.05
     assert AdaHOPConfig.from_dict(d) == small
     from adahop.train.recipes import preset
 
-    assert preset("debug", recipe="adahop_measured").adahop.policy_fn.oe_k == (4, 4, 4)
+    debug = preset("debug", recipe="adahop_measured").adahop
+    assert debug.policy == "measured" and debug.fprop.oe_k == 4 and debug.policy_fn.oe_k is None
     mine = MeasuredPolicy(0.02)  # a policy_fn the user gives is kept
     assert AdaHOPConfig.from_recipe_name("adahop_measured", policy_fn=mine).policy_fn is mine
 
@@ -195,4 +197,6 @@ def test_a_layer_calibrates_with_the_measured_policy():
         (layer(xi) * weights).square().mean().backward()
     assert not layer.calibrating
     assert layer.modes["fprop"] == "iht+oe_right" and layer.modes["dgrad"] == "iht+oe_left"
-    assert layer.modes == cfg.policy_fn(layer.calibration.summary())
+    modes, oe_ks = policy_result(cfg.policy_fn(layer.calibration.summary()))
+    assert layer.modes == modes and layer.oe_ks == (oe_ks or None)
+    assert layer._plan(torch.device("cpu")).dgrad.oe_k == oe_ks.get("dgrad", 8)  # the k it chose runs
