@@ -1,6 +1,7 @@
 """The command line end to end on a small offline corpus: train, resume, eval, compare, errors."""
 
 import json
+import math
 
 import pytest
 
@@ -375,3 +376,10 @@ def test_drift_is_measured_at_the_final_evaluation(corpus, tmp_path):
                                      for n in ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
                                                "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")}
     assert cli.main(train_args(corpus, tmp_path / "e", recipe="mxfp4") + ["--drift", "measure"]) == 2
+
+
+def test_calibration_in_iht_reaches_the_run(corpus, tmp_path):
+    run = tmp_path / "i"
+    assert cli.main(train_args(corpus, run, steps=6) + ["--calibration-steps", "2", "--calibration-gemms", "iht"]) == 0
+    assert json.loads((run / "config.json").read_text())["adahop"]["calibration_gemms"] == "iht"
+    assert len(losses(run)) == 6 and all(math.isfinite(v) for v in losses(run))

@@ -793,3 +793,35 @@ def test_a_policys_own_oe_k_reaches_the_gemms_and_the_state(tmp_path):
     assert c[0].oe_ks == {"dgrad": 16, "wgrad": 8} and c[0].modes == modes
     with pytest.raises(ValueError, match="oe_k must map GEMMs"):
         a.set_modes(modes, oe_ks={"dgrad": 0})
+
+
+def test_calibration_in_iht_saves_packed_x_and_observes_the_same():
+    """calibration_gemms="iht": the calibration steps run IHT + MXFP4 (x saved packed, as the
+    fixed recipes save it) and observe x, w and g as BF16 calibration does: one layer given the
+    same inputs and output gradients records the same statistics and freezes the same modes."""
+    T, K, N = 256, 128, 96
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(N, K, generator=gen) / math.sqrt(K)
+    xs = [torch.randn(T, K, generator=gen) for _ in range(2)]
+    gs = [torch.randn(T, N, generator=gen) for _ in range(2)]
+    layers = {}
+    for gemms in ("bf16", "iht"):
+        cfg = AdaHOPConfig.from_recipe_name("adahop_lv2", calibration_steps=2, calibration_gemms=gemms)
+        layer = make_layer(cfg, w)
+        for i, (x, g) in enumerate(zip(xs, gs)):
+            x = x.clone().requires_grad_()
+            y, saved = saved_tensors_of_forward(layer, x)
+            _, x_saved = split_by_parameter(saved, layer.weight)
+            if i == 0:
+                x_bytes = nbytes([t for t in x_saved if not (t.dtype == torch.int64 and t.shape == (2,))])
+                assert x_bytes == (T * K * 4 if gemms == "bf16" else T * K // 2 + T * K // 32)
+            assert layer.calibrating
+            y.backward(g)
+        layers[gemms] = layer
+    bf16, iht = layers["bf16"], layers["iht"]
+    assert not iht.calibrating and iht.modes == bf16.modes and iht.patterns == bf16.patterns
+    for role in ("x", "w", "g"):
+        assert iht.calibration.tensors[role].sums == bf16.calibration.tensors[role].sums
+    assert iht.calls == bf16.calls == 2
+    with pytest.raises(ValueError, match="calibration_gemms must be one of"):
+        AdaHOPConfig.from_recipe_name("adahop_lv2", calibration_gemms="mxfp4")

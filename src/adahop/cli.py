@@ -55,6 +55,7 @@ def train_config(args):
                  corpus_dir=str(Path(args.corpus).resolve()),  # absolute: eval and compare run from anywhere
                  model_size=args.model_size, device=args.device,
                  seq_len=args.seq_len, oe_k=args.oe_k, calibration_steps=args.calibration_steps,
+                 calibration_gemms=args.calibration_gemms,
                  backend=args.backend, progress=not args.no_progress, compile=args.compile,
                  cudagraphs=args.cudagraphs or None,
                  bf16_blocks=args.bf16_blocks,
@@ -380,7 +381,10 @@ def _add_train_args(p):
     g.add_argument("--model-size", choices=list(SIZES), help="model size")
     g.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--oe-k", type=int, help="slices outlier extraction computes in high precision, per GEMM")
-    g.add_argument("--calibration-steps", type=int, help="BF16 steps that classify the outlier patterns")
+    g.add_argument("--calibration-steps", type=int, help="steps that classify the outlier patterns")
+    g.add_argument("--calibration-gemms", choices=("bf16", "iht"), default=None,
+                   help="what the GEMMs run while calibrating: bf16 (the paper's; the default) or iht "
+                        "(IHT + MXFP4: each layer saves x packed instead of in BF16 for the backward)")
     g.add_argument("--bf16-blocks", type=_bf16_blocks, metavar="FIRST,LAST",
                    help="keep the linears of the first FIRST and the last LAST transformer blocks in BF16")
     g.add_argument("--bf16-phase", type=_bf16_phase, metavar="START[:GEMMS]",

@@ -42,6 +42,7 @@ BACKEND_NAMES = ("reference", "triton", "hopper_fp8", "native_mx")
 BACKEND_CHOICES = ("auto", *BACKEND_NAMES)
 DEFAULT_OE_K = 64
 DEFAULT_CALIBRATION_STEPS = 30
+CALIBRATION_GEMMS = ("bf16", "iht")
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,11 @@ class AdaHOPConfig:
     # The measured policy's budget: the share of a layer's GEMM FLOPs in high precision.
     hp_budget: float = DEFAULT_HP_BUDGET
     calibration_steps: int = DEFAULT_CALIBRATION_STEPS
+    # What the GEMMs run while calibrating: "bf16" (the paper's calibration) or "iht" (every GEMM
+    # IHT + MXFP4, the mxfp4_iht recipe's numerics: each layer's forward saves x packed, not in
+    # BF16, for the backward, as the fixed MXFP4 recipes do; linear.py). X, W and G are observed
+    # in BF16 either way.
+    calibration_gemms: str = "bf16"
     tau: float = DEFAULT_TAU
     backend: str = "auto"
     seed: int = 0
@@ -104,6 +110,7 @@ class AdaHOPConfig:
         check_choice("policy", self.policy, POLICIES)
         check_hp_budget(self.hp_budget)
         check_choice("backend", self.backend, BACKEND_CHOICES)
+        check_choice("calibration_gemms", self.calibration_gemms, CALIBRATION_GEMMS)
         check_tau(self.tau)
         check_seed(self.seed)
         if not isinstance(self.adaptive, bool):

@@ -26,7 +26,8 @@ The GEMMs run as two custom ops (``layer_ops``: ``adahop::linear_forward`` / ``l
 which ``torch.compile`` traces without a graph break.
 
 During calibration (adaptive recipes, training mode, grad enabled) every GEMM runs in high
-precision while x and w are classified in the forward and g in the backward; after
+precision (or, with ``calibration_gemms="iht"``, in IHT + MXFP4) while x and w are classified in
+the forward and g in the backward; after
 ``calibration_steps`` backward passes the layer votes its patterns, the policy picks the modes,
 and they are frozen (and saved in the state_dict as extra state). Calibration runs eagerly (it
 reads its statistics back to the host each step): a compiled model breaks its graph at a
@@ -214,7 +215,8 @@ class AdaHOPLinear(nn.Linear):
         config, modes = self.__dict__.get("_config"), self.__dict__.get("_modes")
         if config is None:
             return
-        modes = self._BF16_MODES if modes is None else modes
+        if modes is None:  # calibrating
+            modes = self._IHT_MODES if config.calibration_gemms == "iht" else self._BF16_MODES
         prefix = mix_seeds(config.seed, self.layer_id)
         signs = tuple(mix_seeds_from(prefix, GEMM_INDEX[g], 2) if config.gemm(g).random_signs else None
                       for g in GEMMS)
@@ -226,6 +228,7 @@ class AdaHOPLinear(nn.Linear):
         return layer_plan(self._numerics, self.rng_state.clone(), device, needs_backward)
 
     _BF16_MODES = {g: "bf16" for g in GEMMS}
+    _IHT_MODES = {g: "iht" for g in GEMMS}
 
     @property
     def runs_plain_linear(self) -> bool:
@@ -269,10 +272,27 @@ class AdaHOPLinear(nn.Linear):
 
     @torch.compiler.disable
     def _calibration_step(self, x_TK: torch.Tensor, needs_backward: bool) -> torch.Tensor:
-        """A calibration forward (eager: its observations are read on the host)."""
+        """A calibration forward (eager: its observations are read on the host). With
+        ``calibration_gemms="iht"`` the GEMMs run the ops with IHT + MXFP4 modes while x and w
+        are observed here and g by a hook on the output's gradient (which also counts the step:
+        the backward op keeps the numerics it was called with, so a freeze there is safe)."""
+        if self.config.calibration_gemms == "bf16":
+            if needs_backward:
+                self.rng_state[1] += 1
+            return _CalibratingLinearFunction.apply(x_TK, self.weight, self)
+        self._observe("x", x_TK)
+        self._observe("w", self.weight.to(x_TK.dtype))
+        rng_state = self.rng_state.clone()
         if needs_backward:
             self.rng_state[1] += 1
-        return _CalibratingLinearFunction.apply(x_TK, self.weight, self)
+        y = torch.ops.adahop.linear_forward(x_TK, self.weight, rng_state, self._numerics, needs_backward)[0]
+        if y.requires_grad:
+            y.register_hook(self._calibration_backward)
+        return y
+
+    def _calibration_backward(self, g_TN: torch.Tensor) -> None:
+        self._observe("g", g_TN)
+        self._after_calibration_step()
 
     # ---- state ---------------------------------------------------------------------------------
     def get_extra_state(self) -> dict:
@@ -318,7 +338,8 @@ class AdaHOPLinear(nn.Linear):
         base = super().extra_repr()
         cfg = self.config
         if self.calibrating:
-            status = f"calibrating {self.calibration.steps}/{cfg.calibration_steps} steps (bf16 meanwhile)"
+            status = (f"calibrating {self.calibration.steps}/{cfg.calibration_steps} steps "
+                      f"({cfg.calibration_gemms} meanwhile)")
         else:
             status = "modes: " + ", ".join(f"{g}={self.modes[g]}" for g in GEMMS)
         pats = ""
