@@ -146,13 +146,13 @@ def test_pngs_are_non_empty_with_labelled_axes(study, tmp_path, monkeypatch):
     for name in figures.FIGURES:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     seen = {}
-    save = figures._save
+    save = figures.save_figure
 
     def keep(fig, path):
         seen[path.name] = [(ax.get_xlabel(), ax.get_ylabel()) for ax in fig.axes]
         return save(fig, path)
 
-    monkeypatch.setattr(figures, "_save", keep)
+    monkeypatch.setattr(figures, "save_figure", keep)
     figures.write_figures(st, tmp_path)
     assert set(seen) == set(figures.FIGURES)
     for name, axes in seen.items():

@@ -20,6 +20,7 @@ from adahop.analyze.strategies import strategy_of_mode
 from adahop.patterns.calibration import TENSOR_ROLES
 from adahop.patterns.detect import PATTERNS
 from adahop.policy import table_mode
+from adahop.train.plot import pyplot, save_figure
 
 PATTERN_COLORS = {"row": "#d62728", "col": "#1f77b4", "none": "#e6e6e6"}
 ROLE_NAMES = {"x": "X (activation)", "w": "W (weight)", "g": "G (output gradient)"}
@@ -27,26 +28,7 @@ FIGURES = ("patterns_heatmap.png", "scores_depth.png", "pattern_changes.png", "s
 
 
 def _plt():
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise ValueError("the report's figures need matplotlib: pip install matplotlib (or adahop[train])") from e
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> Path:
-    plt = _plt()
-    fig.tight_layout()
-    try:
-        fig.savefig(path, bbox_inches="tight")
-    except OSError as e:
-        plt.close(fig)
-        raise OSError(e.errno, e.strerror, str(path)) from e
-    plt.close(fig)
-    return path
+    return pyplot("the report's figures")
 
 
 def _short(kind: str) -> str:
@@ -103,7 +85,7 @@ def patterns_heatmap(study: dict, path: Path) -> Path:
                  fontsize=9)
     ax.legend(handles=[Patch(color=PATTERN_COLORS[p], label=p) for p in PATTERNS], loc="upper left",
               bbox_to_anchor=(1.01, 1.0), title="pattern", fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _log_ratio(mean: dict) -> float:
@@ -141,7 +123,7 @@ def scores_depth(study: dict, path: Path) -> Path:
     axes[-1].set_xlabel("block (depth)" if use_blocks else "layer index (model order)")
     fig.suptitle(f"Detector statistic over depth (mean scores over the steps); grey band: 'none' (tau = {tau:g})",
                  fontsize=9)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def pattern_changes(study: dict, path: Path) -> Path:
@@ -164,7 +146,7 @@ def pattern_changes(study: dict, path: Path) -> Path:
     ax.set_title(f"Pattern changes over {steps} step{'s' * (steps > 1)} ({n} layers)", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8, loc="upper left")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 BASE_COLORS = {"mxfp4": "#7f7f7f", "iht": "#2ca02c", "iht_rs": "#98df8a"}
@@ -191,7 +173,7 @@ def sqnr_by_pair(study: dict, path: Path) -> Path:
         ax.text(0.5, 0.5, "no GEMM was multiplied (sqnr_steps = 0)", ha="center", va="center", transform=ax.transAxes)
         ax.set_xlabel("(A, B) pattern pair")
         ax.set_ylabel("output SQNR (dB)")
-        return _save(fig, path)
+        return save_figure(fig, path)
     order = [f"({a}, {b})" for a in ("row", "none", "col") for b in ("row", "none", "col")]
     pairs = [p for p in order if p in by_pair]
     width = 0.84 / len(strategies)
@@ -225,7 +207,7 @@ def sqnr_by_pair(study: dict, path: Path) -> Path:
                  "the BF16 level is under each pair)", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def policies(study: dict, path: Path) -> Path:
@@ -237,7 +219,7 @@ def policies(study: dict, path: Path) -> Path:
     ax.set_ylabel("mean output SQNR vs float64 (dB, higher is better)")
     if not measured:
         ax.text(0.5, 0.5, "no GEMM was multiplied (sqnr_steps = 0)", ha="center", va="center", transform=ax.transAxes)
-        return _save(fig, path)
+        return save_figure(fig, path)
 
     def series(strategy_of) -> tuple[list[float], float]:
         means, hp, flops = [], 0.0, 0.0
@@ -268,7 +250,7 @@ def policies(study: dict, path: Path) -> Path:
     ax.set_title("Mean output SQNR of each policy's picks, per GEMM (a BF16 pick counts at its ~55 dB)", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.13))
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def write_figures(study: dict, folder: Path) -> list[Path]:

@@ -12,6 +12,32 @@ import os
 from pathlib import Path
 
 
+def pyplot(what: str):
+    """``matplotlib.pyplot`` on the headless Agg backend; a one-line ValueError naming ``what``
+    needs it when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ValueError(f"{what} needs matplotlib: pip install matplotlib (or adahop[train])") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay ``fig`` out, write it to ``path`` and close it; an OSError names the file."""
+    plt = pyplot("saving a figure")
+    fig.tight_layout()
+    try:
+        fig.savefig(path, bbox_inches="tight")
+    except OSError as e:
+        plt.close(fig)
+        raise OSError(e.errno, e.strerror, str(path)) from e
+    plt.close(fig)
+    return path
+
+
 def moving_average(values, k: int) -> list[float]:
     """Trailing mean over ``k`` values (fewer at the start)."""
     out, acc = [], 0.0
@@ -31,14 +57,9 @@ def plot_loss_curves(runs: dict[str, list[dict]], path: str | os.PathLike, *, ti
     baseline's at the steps both logged, averaged over ``gap_smooth`` steps. With
     ``calibration_steps``, the BF16 calibration window (steps 1 to that) is shaded. Writes
     ``path`` (PNG)."""
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise ValueError("plotting needs matplotlib: pip install matplotlib (or adahop[train])") from e
     if baseline is not None and baseline not in runs:
         raise ValueError(f"baseline {baseline!r} is not one of the runs {list(runs)}")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("plotting")
 
     curves = {name: dict((r["step"], r["loss"]) for r in records if "loss" in r) for name, records in runs.items()}
     with_gap = baseline is not None and len(runs) > 1
@@ -80,11 +101,4 @@ def plot_loss_curves(runs: dict[str, list[dict]], path: str | os.PathLike, *, ti
         ax.set_xlabel("step")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()  # before saving: it makes room for the two-line y-label of the lower panel
-    try:
-        fig.savefig(path, bbox_inches="tight")
-    except OSError as e:
-        plt.close(fig)
-        raise OSError(e.errno, e.strerror, str(path)) from e
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)  # (tight_layout there makes room for the lower panel's two-line y-label)
