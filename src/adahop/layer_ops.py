@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from adahop.config import AdaHOPConfig
+from adahop.config import AdaHOPConfig, GemmConfig
 from adahop.formats.mxfp4 import MXFP4Tensor
 from adahop.formats.rng import SRStream
 from adahop.ops.backends import get_backend
@@ -111,25 +111,14 @@ def numerics_key(config: AdaHOPConfig, modes: dict, signs_seeds: tuple, oe_ks: d
     return json.dumps({"backend": config.backend, "gemms": gemms}, sort_keys=True, separators=(",", ":"))
 
 
-@dataclass(frozen=True)
-class _GemmSettings:  # what make_gemm_plan reads of a GemmConfig
-    block_size: int
-    scale_mode: str
-    hadamard_size: int
-    random_signs: bool
-    a_rounding: str
-    b_rounding: str
-    oe_k: int
-
-
 @functools.lru_cache(maxsize=1024)
 def _templates(numerics: str) -> tuple[str, tuple[GemmPlan, ...]]:
     """The backend name and the three GEMM plans of a numerics key, without SR seeds."""
     d = json.loads(numerics)
     plans = []
     for g in d["gemms"]:
-        settings = _GemmSettings(**{f.name: g[f.name] for f in dataclasses.fields(_GemmSettings)})
-        plans.append(make_gemm_plan(g["mode"], settings, sr_seeds=(None, None), signs_seed=g["signs_seed"]))
+        cfg = GemmConfig(**{f.name: g[f.name] for f in dataclasses.fields(GemmConfig)})  # (mode: the layer's)
+        plans.append(make_gemm_plan(cfg.mode, cfg, sr_seeds=(None, None), signs_seed=g["signs_seed"]))
     return d["backend"], tuple(plans)
 
 
