@@ -43,6 +43,10 @@ BACKEND_CHOICES = ("auto", *BACKEND_NAMES)
 DEFAULT_OE_K = 64
 DEFAULT_CALIBRATION_STEPS = 30
 CALIBRATION_GEMMS = ("bf16", "iht")
+# Which weight dgrad multiplies by (docs/method.md, 'One weight for the forward and dgrad'):
+# "master", the layer's weight quantized on its own (the paper), or "forward", the weight the
+# forward GEMM multiplied by.
+DGRAD_WEIGHTS = ("master", "forward")
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,11 @@ class AdaHOPConfig:
     # BF16, for the backward, as the fixed MXFP4 recipes do; linear.py). X, W and G are observed
     # in BF16 either way.
     calibration_gemms: str = "bf16"
+    # "forward": dgrad's W is the forward GEMM's dequantized weight (rotated back), which dgrad
+    # quantizes in its own mode, so the backward differentiates the function the forward ran.
+    # A plain-MXFP4 forward then quantizes W with one scale per 32 x 32 tile, and a plain-MXFP4
+    # dgrad multiplies by the very same quantized W (formats.mxfp4.fake_quantize_mxfp4_tiles).
+    dgrad_weight: str = "master"
     tau: float = DEFAULT_TAU
     backend: str = "auto"
     seed: int = 0
@@ -111,6 +120,11 @@ class AdaHOPConfig:
         check_hp_budget(self.hp_budget)
         check_choice("backend", self.backend, BACKEND_CHOICES)
         check_choice("calibration_gemms", self.calibration_gemms, CALIBRATION_GEMMS)
+        check_choice("dgrad_weight", self.dgrad_weight, DGRAD_WEIGHTS)
+        if self.dgrad_weight == "forward":
+            if self.fprop.b_rounding != "rne":
+                raise ValueError("dgrad_weight 'forward' recomputes the forward's weight in the backward: "
+                                 f"fprop's b_rounding must be 'rne', got {self.fprop.b_rounding!r}")
         check_tau(self.tau)
         check_seed(self.seed)
         if not isinstance(self.adaptive, bool):

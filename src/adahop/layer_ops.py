@@ -46,11 +46,12 @@ from dataclasses import dataclass
 import torch
 
 from adahop.config import AdaHOPConfig, GemmConfig
-from adahop.formats.mxfp4 import MXFP4Tensor
+from adahop.formats.mxfp4 import MXFP4Tensor, dequantize_mxfp4, fake_quantize_mxfp4_tiles
 from adahop.formats.rng import SRStream
 from adahop.ops.backends import get_backend
-from adahop.ops.operand import OperandSpec
+from adahop.ops.operand import OperandSpec, quantize_operand
 from adahop.policy import GEMMS
+from adahop.transforms.hadamard import inverse_block_hadamard, random_signs
 
 GEMM_INDEX = {g: i for i, g in enumerate(GEMMS)}
 
@@ -93,6 +94,7 @@ class LayerPlan:
     wgrad: GemmPlan
     backend: object
     needs_backward: bool = True  # False under no_grad / inference: nothing is saved for wgrad
+    dgrad_weight: str = "master"  # AdaHOPConfig.dgrad_weight
 
 
 # ---- the numerics key: the ops' one description of a layer's GEMMs ----------------------------
@@ -108,24 +110,26 @@ def numerics_key(config: AdaHOPConfig, modes: dict, signs_seeds: tuple, oe_ks: d
         if oe_ks and gemm in oe_ks:
             cfg["oe_k"] = oe_ks[gemm]
         gemms.append(cfg)
-    return json.dumps({"backend": config.backend, "gemms": gemms}, sort_keys=True, separators=(",", ":"))
+    return json.dumps({"backend": config.backend, "gemms": gemms, "dgrad_weight": config.dgrad_weight},
+                      sort_keys=True, separators=(",", ":"))
 
 
 @functools.lru_cache(maxsize=1024)
-def _templates(numerics: str) -> tuple[str, tuple[GemmPlan, ...]]:
-    """The backend name and the three GEMM plans of a numerics key, without SR seeds."""
+def _templates(numerics: str) -> tuple[str, tuple[GemmPlan, ...], str]:
+    """The backend name, the three GEMM plans of a numerics key (without SR seeds) and which
+    weight dgrad multiplies by."""
     d = json.loads(numerics)
     plans = []
     for g in d["gemms"]:
         cfg = GemmConfig(**{f.name: g[f.name] for f in dataclasses.fields(GemmConfig)})  # (mode: the layer's)
         plans.append(make_gemm_plan(cfg.mode, cfg, sr_seeds=(None, None), signs_seed=g["signs_seed"]))
-    return d["backend"], tuple(plans)
+    return d["backend"], tuple(plans), d["dgrad_weight"]
 
 
 def layer_plan(numerics: str, rng_state: torch.Tensor, device: torch.device, needs_backward: bool) -> LayerPlan:
     """The plan of one call: the key's GEMM plans with each SR operand's seed an ``SRStream`` of
     ``rng_state``."""
-    backend_name, templates = _templates(numerics)
+    backend_name, templates, dgrad_weight = _templates(numerics)
     plans = []
     for gi, plan in enumerate(templates):
         if plan.quantized and (plan.a.rounding == "sr" or plan.b.rounding == "sr"):
@@ -136,7 +140,8 @@ def layer_plan(numerics: str, rng_state: torch.Tensor, device: torch.device, nee
                 b = dataclasses.replace(b, sr_seed=SRStream(rng_state, gi, 1))
             plan = GemmPlan(plan.mode, a, b, plan.oe_k)
         plans.append(plan)
-    return LayerPlan(*plans, backend=get_backend(backend_name, device), needs_backward=needs_backward)
+    return LayerPlan(*plans, backend=get_backend(backend_name, device), needs_backward=needs_backward,
+                     dgrad_weight=dgrad_weight)
 
 
 # GEMM modes whose B operand is only quantized (no high-precision slice of it, no selection by
@@ -201,6 +206,38 @@ def _warn_oe_clamp(plan: LayerPlan, T: int, N: int, K: int) -> None:
             )
 
 
+# ---- one weight for the forward and dgrad (AdaHOPConfig.dgrad_weight = "forward") ---------------
+def forward_weight(weight: torch.Tensor, plan: LayerPlan, dtype: torch.dtype) -> torch.Tensor:
+    """The weight the forward GEMM multiplies by, dequantized into ``weight``'s [N, K] layout
+    (float32; ``weight`` in the compute ``dtype`` where fprop is BF16).
+
+    * plain ``mxfp4``: the weight quantized with one scale per 32 x 32 tile
+      (``fake_quantize_mxfp4_tiles``), which fprop's blocks along K and dgrad's along N both
+      reproduce exactly: one quantized W in both GEMMs;
+    * IHT modes: fprop's quantized ``w H`` (reference numerics, which every backend matches bit
+      for bit), rotated back; under OE-right, the rows fprop computes in high precision are the
+      weight's own.
+
+    Recomputed where it is needed rather than saved (W's rounding is RNE: the same bits each
+    time), so nothing weight-sized is kept from the forward to the backward."""
+    fp = plan.fprop
+    w = weight.to(dtype)
+    if not fp.quantized:
+        return w
+    if fp.mode == "mxfp4":
+        return fake_quantize_mxfp4_tiles(w, block_size=fp.b.block_size, scale_mode=fp.b.scale_mode)
+    rows = plan.backend.select_outer(w, 0, fp.oe_k) if fp.mode == "iht+oe_right" else None
+    zeroed = w if rows is None else w.index_fill(0, rows, 0)
+    rotated = dequantize_mxfp4(quantize_operand(zeroed, 1, fp.b), keep_padding=True)
+    signs = None
+    if fp.b.signs_seed is not None:
+        signs = random_signs(rotated.shape[-1], fp.b.signs_seed, device=w.device)
+    w_f = inverse_block_hadamard(rotated, dim=-1, size=fp.b.hadamard_size, signs=signs)[:, : w.shape[1]]
+    if rows is not None:
+        w_f[rows] = w[rows].to(w_f.dtype)
+    return w_f.contiguous()
+
+
 # ---- the two directions, as plain functions (the ops' implementations) --------------------------
 def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan):
     """fprop, and what wgrad will need of x. Returns ``(y_TN, x_q, cols_hp, cols_idx)``: x_q is
@@ -212,6 +249,8 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan):
     # mode casts it in its quantize kernel (PLAIN_MODES); the others use a cast copy.
     fp, wg = plan.fprop, plan.wgrad
     cast_in_kernel = fp.mode in PLAIN_MODES
+    if plan.dgrad_weight == "forward" and fp.mode == "mxfp4":
+        weight = forward_weight(weight, plan, x_TK.dtype)  # tile-quantized: fprop re-quantizes it exactly
     w_NK = weight if cast_in_kernel else weight.to(x_TK.dtype)
     backend = plan.backend
     _warn_oe_clamp(plan, x_TK.shape[0], weight.shape[0], weight.shape[1])
@@ -275,7 +314,8 @@ def backward_gemms(g_TN: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, *,
     if needs_dx:
         dg = plan.dgrad
         cast_in_kernel = dg.mode in PLAIN_MODES  # as in the forward
-        w_NK = weight if cast_in_kernel else weight.to(g_TN.dtype)
+        w_dgrad = weight if plan.dgrad_weight == "master" else forward_weight(weight, plan, g_TN.dtype)
+        w_NK = w_dgrad if cast_in_kernel else w_dgrad.to(g_TN.dtype)
         if not dg.quantized:
             dx_TK = g_TN @ w_NK
         else:
@@ -317,7 +357,7 @@ def _saved_shapes(numerics: str, T: int, K: int, needs_backward: bool):
     """Shapes of what ``linear_forward`` returns for wgrad: x's packed codes and scale bytes
     (x quantized along T: [K, TP / 2] and [K, TP / block], TP = T padded to the operand's
     alignment) and the OE columns ([T, k], [k]); None for each that is not returned."""
-    _, (_, _, wg) = _templates(numerics)
+    _, (_, _, wg), _ = _templates(numerics)
     if not (needs_backward and wg.quantized):
         return None, None, None
     TP = -(-T // wg.b.alignment) * wg.b.alignment
@@ -382,7 +422,7 @@ def _(g, weight, x, x_codes, x_scales, cols_hp, cols_idx, rng_state, numerics, n
 def _setup_context(ctx, inputs, output):
     x, weight, rng_state, numerics, needs_backward = inputs
     _, codes, scales, cols_hp, cols_idx = output
-    _, (_, _, wg) = _templates(numerics)
+    _, (_, _, wg), _ = _templates(numerics)
     # wgrad in bf16 keeps x itself; a quantized wgrad keeps x's packed form (the saving).
     ctx.save_for_backward(weight, x if not wg.quantized else None, codes, scales, cols_hp, cols_idx, rng_state)
     ctx.numerics = numerics

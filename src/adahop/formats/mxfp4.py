@@ -312,3 +312,38 @@ def fake_quantize_mxfp4(
         x, dim=dim, block_size=block_size, scale_mode=scale_mode, rounding=rounding, seed=seed
     )
     return dequantize_mxfp4(q)
+
+
+def fake_quantize_mxfp4_tiles(
+    x: torch.Tensor, *, block_size: int = DEFAULT_BLOCK_SIZE, scale_mode: str = "even"
+) -> torch.Tensor:
+    """A 2-D tensor quantized with one E8M0 scale per ``block_size`` x ``block_size`` tile (RNE)
+    and back: float32 values with ``x``'s shape (NVIDIA's 2-D weight scaling).
+
+    Why: quantizing the result again with ordinary MXFP4 blocks along either dim, in the same
+    scale mode, gives it back exactly. A block of 32 inside a tile holds E2M1 values times the
+    tile's scale s; with c the block's largest code, every scale mode picks s (c = 4 or 6) or a
+    smaller power of two s / 2**j (c <= 3) under which each of the block's values is again on
+    the E2M1 grid (the grid's values below 4 times 2**j are grid values). So a weight quantized
+    this way is one quantized tensor in both the forward GEMM (blocks along K) and dgrad (blocks
+    along N).
+    Tiles are cut from the top-left; the dims are zero-padded to whole tiles first. A tile
+    holding NaN or Inf dequantizes to NaN, as a block does in ``quantize_mxfp4``."""
+    check_float_tensor(x)
+    check_block_size(block_size)
+    check_choice("scale_mode", scale_mode, SCALE_MODES)
+    if x.dim() != 2:
+        raise ValueError(f"tile quantization takes a 2-D tensor, got shape {tuple(x.shape)}")
+    rows, cols = x.shape
+    b = block_size
+    padded = torch.nn.functional.pad(x.to(torch.float32), (0, -cols % b, 0, -rows % b))
+    tiles = padded.reshape(padded.shape[0] // b, b, padded.shape[1] // b, b)
+    amax = tiles.abs().amax(dim=(1, 3), keepdim=True)
+    finite = torch.isfinite(amax)
+    exp = scale_exponent(torch.where(finite, amax, 0.0), scale_mode)
+    scaled = (tiles * pow2_f32(-exp)).clamp(-E2M1_MAX, E2M1_MAX)
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=x.device)
+    mag = grid[_round_rne(scaled.abs()).long()]
+    vals = torch.where(torch.signbit(scaled), -mag, mag) * pow2_f32(exp)
+    vals = torch.where(finite, vals, float("nan"))
+    return vals.reshape(padded.shape)[:rows, :cols].contiguous()
