@@ -55,7 +55,8 @@ def train_config(args):
                  corpus_dir=str(Path(args.corpus).resolve()),  # absolute: eval and compare run from anywhere
                  model_size=args.model_size, device=args.device,
                  seq_len=args.seq_len, oe_k=args.oe_k, calibration_steps=args.calibration_steps,
-                 calibration_gemms=args.calibration_gemms,
+                 calibration_gemms=args.calibration_gemms, dgrad_weight=args.dgrad_weight,
+                 oscillation_dampening=args.oscillation_dampening,
                  backend=args.backend, progress=not args.no_progress, compile=args.compile,
                  cudagraphs=args.cudagraphs or None,
                  bf16_blocks=args.bf16_blocks,
@@ -385,6 +386,12 @@ def _add_train_args(p):
     g.add_argument("--calibration-gemms", choices=("bf16", "iht"), default=None,
                    help="what the GEMMs run while calibrating: bf16 (the paper's; the default) or iht "
                         "(IHT + MXFP4: each layer saves x packed instead of in BF16 for the backward)")
+    g.add_argument("--dgrad-weight", choices=("master", "forward"), default=None,
+                   help="the weight dgrad multiplies by: master (the layer's own, quantized on its own; the "
+                        "default) or forward (the forward GEMM's quantized weight: one quantized W in both)")
+    g.add_argument("--oscillation-dampening", type=float, default=None, metavar="LAMBDA",
+                   help="add LAMBDA * ||W - Q(W)||^2 to the loss (Q(W): the forward's quantized weight), which "
+                        "keeps weights from flipping between FP4 values; default 0 (off)")
     g.add_argument("--bf16-blocks", type=_bf16_blocks, metavar="FIRST,LAST",
                    help="keep the linears of the first FIRST and the last LAST transformer blocks in BF16")
     g.add_argument("--bf16-phase", type=_bf16_phase, metavar="START[:GEMMS]",

@@ -211,12 +211,12 @@ def forward_weight(weight: torch.Tensor, plan: LayerPlan, dtype: torch.dtype) ->
     """The weight the forward GEMM multiplies by, dequantized into ``weight``'s [N, K] layout
     (float32; ``weight`` in the compute ``dtype`` where fprop is BF16).
 
-    * plain ``mxfp4``: the weight quantized with one scale per 32 x 32 tile
-      (``fake_quantize_mxfp4_tiles``), which fprop's blocks along K and dgrad's along N both
-      reproduce exactly: one quantized W in both GEMMs;
-    * IHT modes: fprop's quantized ``w H`` (reference numerics, which every backend matches bit
-      for bit), rotated back; under OE-right, the rows fprop computes in high precision are the
-      weight's own.
+    * plain ``mxfp4`` with ``dgrad_weight="forward"``: the weight quantized with one scale per
+      32 x 32 tile (``fake_quantize_mxfp4_tiles``), which fprop's blocks along K and dgrad's
+      along N both reproduce exactly: one quantized W in both GEMMs;
+    * otherwise fprop's quantized B (``w``, or ``w H`` for the IHT modes: reference numerics,
+      which every backend matches bit for bit), rotated back; under OE-right, the rows fprop
+      computes in high precision are the weight's own.
 
     Recomputed where it is needed rather than saved (W's rounding is RNE: the same bits each
     time), so nothing weight-sized is kept from the forward to the backward."""
@@ -224,15 +224,17 @@ def forward_weight(weight: torch.Tensor, plan: LayerPlan, dtype: torch.dtype) ->
     w = weight.to(dtype)
     if not fp.quantized:
         return w
-    if fp.mode == "mxfp4":
+    if fp.mode == "mxfp4" and plan.dgrad_weight == "forward":
         return fake_quantize_mxfp4_tiles(w, block_size=fp.b.block_size, scale_mode=fp.b.scale_mode)
     rows = plan.backend.select_outer(w, 0, fp.oe_k) if fp.mode == "iht+oe_right" else None
     zeroed = w if rows is None else w.index_fill(0, rows, 0)
-    rotated = dequantize_mxfp4(quantize_operand(zeroed, 1, fp.b), keep_padding=True)
-    signs = None
-    if fp.b.signs_seed is not None:
-        signs = random_signs(rotated.shape[-1], fp.b.signs_seed, device=w.device)
-    w_f = inverse_block_hadamard(rotated, dim=-1, size=fp.b.hadamard_size, signs=signs)[:, : w.shape[1]]
+    w_f = dequantize_mxfp4(quantize_operand(zeroed, 1, fp.b), keep_padding=True)
+    if fp.b.hadamard_size is not None:
+        signs = None
+        if fp.b.signs_seed is not None:
+            signs = random_signs(w_f.shape[-1], fp.b.signs_seed, device=w.device)
+        w_f = inverse_block_hadamard(w_f, dim=-1, size=fp.b.hadamard_size, signs=signs)
+    w_f = w_f[:, : w.shape[1]]
     if rows is not None:
         w_f[rows] = w[rows].to(w_f.dtype)
     return w_f.contiguous()

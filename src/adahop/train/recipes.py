@@ -59,12 +59,12 @@ def h200_125m(recipe: str = DEFAULT_RECIPE) -> TrainConfig:
 PRESETS = {"debug": debug, "cpu": cpu, "h200": h200, "h200_125m": h200_125m}
 
 # Overrides of the AdaHOP side that ``preset`` accepts beside TrainConfig's own fields.
-ADAHOP_OVERRIDES = ("recipe", "calibration_steps", "calibration_gemms", "oe_k", "backend")
+ADAHOP_OVERRIDES = ("recipe", "calibration_steps", "calibration_gemms", "dgrad_weight", "oe_k", "backend")
 
 
 def preset(name: str, *, adahop: AdaHOPConfig | None = None, **overrides) -> TrainConfig:
     """Preset ``name`` with ``overrides`` (None values are ignored, so a CLI's unset options pass
-    through). ``recipe`` picks the recipe; ``calibration_steps``, ``calibration_gemms``, ``oe_k``
+    through). ``recipe`` picks the recipe; ``calibration_steps``, ``calibration_gemms``, ``dgrad_weight``, ``oe_k``
     (all GEMMs) and ``backend`` change the AdaHOP side; ``adahop`` replaces the AdaHOP config as a whole (an
     experiment's own variant), before those; ``seed`` sets both the training seed and the SR
     seed; every other name is a TrainConfig field."""
@@ -84,8 +84,9 @@ def preset(name: str, *, adahop: AdaHOPConfig | None = None, **overrides) -> Tra
         q = q.replace(calibration_steps=overrides.pop("calibration_steps"))
     if "backend" in overrides:
         q = q.replace(backend=overrides.pop("backend"))
-    if "calibration_gemms" in overrides:
-        q = q.replace(calibration_gemms=overrides.pop("calibration_gemms"))
+    for name in ("calibration_gemms", "dgrad_weight"):
+        if name in overrides:
+            q = q.replace(**{name: overrides.pop(name)})
     if "oe_k" in overrides:
         q = q.with_gemm_settings(oe_k=overrides.pop("oe_k"))
     if "seed" in overrides:

@@ -40,6 +40,7 @@ from adahop.train.checkpoint import (
 )
 from adahop.train.compile import compile_blocks, compile_model
 from adahop.train.distributed import PARALLEL_CHOICES, Parallel
+from adahop.train.oscillation import add_dampening_grad, check_dampening
 from adahop.train.precision import (
     apply_bf16_phase,
     block_filter,
@@ -81,6 +82,8 @@ class TrainConfig:
     bf16_blocks: tuple[int, int] = (0, 0)  # the first and last blocks' linears stay BF16
     bf16_phase_start: float | None = None  # fraction of the steps after which bf16_phase_gemms run BF16
     bf16_phase_gemms: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
+    # lambda of the oscillation-dampening term lambda * ||W - Q(W)||^2 (train/oscillation.py); 0: off
+    oscillation_dampening: float = 0.0
     # machinery
     seed: int = 0  # model initialisation and data order (the SR streams follow adahop.seed)
     device: str = "auto"
@@ -178,6 +181,9 @@ class TrainConfig:
         if self.autocast not in ("auto", "bf16", "none"):
             raise ValueError(f"autocast must be 'auto', 'bf16' or 'none', got {self.autocast!r}")
         check_bf16_blocks(self.bf16_blocks)
+        check_dampening(self.oscillation_dampening)
+        if self.oscillation_dampening and self.parallel == "fsdp2":
+            raise ValueError("oscillation_dampening reads whole weights: not with --parallel fsdp2 (use ddp)")
         check_bf16_phase(self.bf16_phase_start, self.bf16_phase_gemms)
         validate_schedule(self.steps, self.grad_accum, self.bf16_phase_start,
                           self.adahop.calibration_steps if self.adahop.adaptive else None)
@@ -504,6 +510,7 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
                 par.check_sr_counters(counters)
                 par.merge_calibration(step + 1)
                 loss_sum += loss.detach()
+            add_dampening_grad(model, cfg.oscillation_dampening, torch.bfloat16 if use_bf16 else torch.float32)
             grad_norm = par.clip_grad_norm(model.parameters(), cfg.grad_clip)
             opt.step()
             step += 1
