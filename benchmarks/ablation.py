@@ -1,15 +1,23 @@
-"""Where does an MXFP4 recipe's loss gap come from? Train the same model under variants of
-adahop_lv2 that each change one thing (a GEMM kept in BF16, the gradient rounding, the scale
-mode) and compare held-out losses with bf16 and naive mxfp4, several seeds each.
+"""Where does an MXFP4 recipe's loss gap come from, and what closes it? Train the same model
+under variants that each change one thing (a GEMM kept in BF16, the rounding, the scale mode, one
+weight for the forward and dgrad, a BF16 phase, oscillation dampening, the policy) and compare
+held-out losses with bf16 and naive mxfp4, paired by seed.
 
     python benchmarks/ablation.py --corpus runs/corpus --out runs/ablation --preset cpu \\
-        --variants bf16 lv2 lv2_fprop_bf16 --seeds 0 1
+        --variants bf16 mxfp4 lv2 lv2_one_weight --seeds 0 1 2 --jobs 2
     python benchmarks/ablation.py --corpus runs/corpus --out runs/ablation --report
 
-On a GPU machine use a GPU preset (``--preset h200``, with ``--threads 0``); the runs of one
-call are sequential. Each (variant, seed) is one training run in ``<out>/<variant>-s<seed>``
-(resumable); ``--report`` writes ``ablation.md`` over every finished run: each variant's
-held-out gap to bf16, paired by seed, per seed and averaged.
+Each (variant, seed) is one training run in ``<out>/<variant>-s<seed>``; a finished one (its
+``ablation.json`` written) is not run again. ``--jobs N`` runs N of them at once, each in its own
+process (its output in ``<out>/logs/``): on a GPU several small runs share it better than one
+does. On a GPU machine use a GPU preset (``--preset h200_125m``, ``--threads 0``).
+
+The report (``ablation.md``, also ``--report``) pairs every gap by seed (a seed fixes the
+initialisation and the data order, which move the loss far more than the numerics do): gap =
+variant(seed) - bf16(seed), and the difference to naive mxfp4 the same way; mean and spread (the
+sample standard deviation over seeds) of each. It refuses runs that differ in anything but the
+variant and the seed (preset, steps, data, batch, compile, ...), and lists each run's machine,
+share of linear-layer FLOPs in MXFP4, speed and memory.
 """
 
 from __future__ import annotations
@@ -18,7 +26,10 @@ import argparse
 import dataclasses
 import json
 import statistics
+import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from common import environment, environment_line, print_environment
@@ -26,6 +37,24 @@ from common import environment, environment_line, print_environment
 import adahop
 from adahop.policy import GEMMS, table_policy
 from adahop.train.recipes import PRESETS
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A recipe's numerics (an ``AdaHOPConfig``) and the TrainConfig fields it sets (a BF16 phase,
+    oscillation dampening, drift); ``what``: one line for the report."""
+
+    numerics: Callable[[], adahop.AdaHOPConfig]
+    what: str
+    train: tuple = ()  # (field, value) pairs
+
+    @property
+    def train_fields(self) -> dict:
+        return dict(self.train)
+
+
+def _recipe(name: str, **changes) -> Callable[[], adahop.AdaHOPConfig]:
+    return lambda: adahop.AdaHOPConfig.from_recipe_name(name, **changes)
 
 
 def _lv2_forcing(**forced):
@@ -36,129 +65,252 @@ def _lv2_forcing(**forced):
         modes.update(forced)
         return modes
 
-    return adahop.AdaHOPConfig.from_recipe_name("adahop_lv2", policy_fn=policy)
+    return lambda: adahop.AdaHOPConfig.from_recipe_name("adahop_lv2", policy_fn=policy)
 
 
-def _lv2_settings(**changes):
-    """adahop_lv2 with GemmConfig fields changed in all three GEMMs."""
-    return adahop.AdaHOPConfig.from_recipe_name("adahop_lv2").with_gemm_settings(**changes)
+def _settings(recipe: str, grad_rne: bool = False, **changes):
+    """``recipe`` with GemmConfig fields changed in all three GEMMs (``grad_rne``: the backward's
+    gradient rounded to nearest instead of stochastically)."""
+
+    def make():
+        cfg = adahop.AdaHOPConfig.from_recipe_name(recipe).with_gemm_settings(**changes)
+        if grad_rne:
+            cfg = cfg.replace(dgrad=dataclasses.replace(cfg.dgrad, a_rounding="rne"),
+                              wgrad=dataclasses.replace(cfg.wgrad, a_rounding="rne"))
+        return cfg
+
+    return make
 
 
-def _lv2_grad_rne(**changes):
-    cfg = adahop.AdaHOPConfig.from_recipe_name("adahop_lv2").with_gemm_settings(**changes)
-    return cfg.replace(dgrad=dataclasses.replace(cfg.dgrad, a_rounding="rne"),
-                       wgrad=dataclasses.replace(cfg.wgrad, a_rounding="rne"))
+_LV2 = _recipe("adahop_lv2")
+_ONE_W = _recipe("adahop_lv2", dgrad_weight="forward")
+_FPROP_TAIL = (("bf16_phase_start", 0.82), ("bf16_phase_gemms", ("fprop",)))
 
-
-VARIANTS = {
-    "bf16": lambda: adahop.AdaHOPConfig.from_recipe_name("bf16"),
-    "mxfp4": lambda: adahop.AdaHOPConfig.from_recipe_name("mxfp4"),
-    "lv2": lambda: adahop.AdaHOPConfig.from_recipe_name("adahop_lv2"),
-    "lv2_fprop_bf16": lambda: _lv2_forcing(fprop="bf16"),  # only the backward in MXFP4
-    "lv2_dgrad_bf16": lambda: _lv2_forcing(dgrad="bf16"),
-    "lv2_wgrad_bf16": lambda: _lv2_forcing(wgrad="bf16"),
-    "lv2_bwd_bf16": lambda: _lv2_forcing(dgrad="bf16", wgrad="bf16"),  # only the forward in MXFP4
+VARIANTS: dict[str, Variant] = {
+    "bf16": Variant(_recipe("bf16"), "every GEMM in BF16 (the baseline)"),
+    "mxfp4": Variant(_recipe("mxfp4"), "naive MXFP4, no transform"),
+    "mxfp4_iht": Variant(_recipe("mxfp4_iht"), "IHT on every GEMM"),
+    "lv2": Variant(_LV2, "adahop_lv2"),
+    "lv1": Variant(_recipe("adahop_lv1"), "adahop_lv1"),
+    "measured": Variant(_recipe("adahop_measured"), "the measured policy (adahop_measured), 8% FLOP budget"),
+    # one GEMM (or two) kept in BF16: where the gap comes from
+    "lv2_fprop_bf16": Variant(_lv2_forcing(fprop="bf16"), "lv2, fprop in BF16 (only the backward in MXFP4)"),
+    "lv2_dgrad_bf16": Variant(_lv2_forcing(dgrad="bf16"), "lv2, dgrad in BF16"),
+    "lv2_wgrad_bf16": Variant(_lv2_forcing(wgrad="bf16"), "lv2, wgrad in BF16"),
+    "lv2_bwd_bf16": Variant(_lv2_forcing(dgrad="bf16", wgrad="bf16"), "lv2, only the forward in MXFP4"),
     # The calibration sees the untrained network and gives fprop plain IHT in every layer (125M:
     # 84 of 84), so OE never reaches the forward GEMM: does forcing it there help?
-    "lv2_fprop_oe_left": lambda: _lv2_forcing(fprop="iht+oe_left"),  # the k largest tokens of x
-    "lv2_fprop_oe_right": lambda: _lv2_forcing(fprop="iht+oe_right"),  # the k largest rows of w
-    "lv2_signs_fprop_oe_right": lambda: _lv2_forcing(fprop="iht+oe_right").with_gemm_settings(random_signs=True),
-    "lv2_grad_rne": _lv2_grad_rne,  # gradients rounded to nearest instead of stochastically
-    "lv2_rceil": lambda: _lv2_settings(scale_mode="rceil"),  # scales that never clip
-    "lv2_floor": lambda: _lv2_settings(scale_mode="floor"),  # the OCP MX scale (clips up to 1.75x)
-    "lv2_grad_rne_rceil": lambda: _lv2_grad_rne(scale_mode="rceil"),
-    "lv2_h128": lambda: _lv2_settings(hadamard_size=128),  # a wider Hadamard in every GEMM
-    "lv2_signs": lambda: _lv2_settings(random_signs=True),  # random-sign Hadamard (Tseng et al.)
-    "lv2_signs_grad_rne": lambda: _lv2_grad_rne(random_signs=True),
+    "lv2_fprop_oe_left": Variant(_lv2_forcing(fprop="iht+oe_left"), "lv2, fprop OE on the k largest tokens of x"),
+    "lv2_fprop_oe_right": Variant(_lv2_forcing(fprop="iht+oe_right"), "lv2, fprop OE on the k largest rows of w"),
+    "lv2_signs_fprop_oe_right": Variant(
+        lambda: _lv2_forcing(fprop="iht+oe_right")().with_gemm_settings(random_signs=True),
+        "lv2, fprop OE-right, random-sign Hadamard"),
+    # rounding and scales
+    "lv2_grad_rne": Variant(_settings("adahop_lv2", grad_rne=True), "lv2, gradients rounded to nearest, not SR"),
+    "lv2_rceil": Variant(_settings("adahop_lv2", scale_mode="rceil"), "lv2, scales that never clip (rceil)"),
+    "lv2_floor": Variant(_settings("adahop_lv2", scale_mode="floor"), "lv2, the OCP scale (clips up to 1.75x)"),
+    "lv2_grad_rne_rceil": Variant(_settings("adahop_lv2", grad_rne=True, scale_mode="rceil"), "lv2, RNE + rceil"),
+    "lv2_h128": Variant(_settings("adahop_lv2", hadamard_size=128), "lv2, a 128-wide Hadamard in every GEMM"),
+    "lv2_signs": Variant(_settings("adahop_lv2", random_signs=True), "lv2, random-sign Hadamard (Tseng et al.)"),
+    "lv2_signs_grad_rne": Variant(_settings("adahop_lv2", grad_rne=True, random_signs=True), "lv2, signs + RNE"),
+    # one weight for the forward and dgrad (AdaHOPConfig.dgrad_weight, docs/method.md)
+    "mxfp4_one_weight": Variant(_recipe("mxfp4", dgrad_weight="forward"),
+                                "naive MXFP4, W tile-quantized once for fprop and dgrad"),
+    "lv2_one_weight": Variant(_ONE_W, "lv2, dgrad multiplies by the forward's quantized weight"),
+    # A BF16 phase (TrainConfig.bf16_phase_start / _gemms, train/precision.py): the last fraction
+    # of the steps runs the listed GEMMs in BF16 (the higher-precision final phase of Chmiel et
+    # al., "FP4 All the Way", 2025; NVIDIA's NVFP4 recipe switches the forward alone).
+    "lv2_bf16_tail": Variant(_LV2, "lv2, the last 10% of the steps in BF16",
+                             (("bf16_phase_start", 0.9), ("bf16_phase_gemms", GEMMS))),
+    "lv2_bf16_tail25": Variant(_LV2, "lv2, the last 25% in BF16",
+                               (("bf16_phase_start", 0.75), ("bf16_phase_gemms", GEMMS))),
+    "lv2_bf16_fprop_tail": Variant(_LV2, "lv2, fprop in BF16 for the last 18%", _FPROP_TAIL),
+    "lv2_one_weight_fprop_tail": Variant(_ONE_W, "lv2 + one weight, fprop in BF16 for the last 18%", _FPROP_TAIL),
+    # weight-oscillation dampening (train/oscillation.py)
+    "lv2_damp1e-3": Variant(_LV2, "lv2, oscillation dampening lambda 1e-3", (("oscillation_dampening", 1e-3),)),
+    "lv2_damp1e-2": Variant(_LV2, "lv2, oscillation dampening lambda 1e-2", (("oscillation_dampening", 1e-2),)),
+    # re-deciding the modes on the trained network (the drift monitor at each evaluation)
+    "lv2_redecide": Variant(_LV2, "lv2, modes re-decided at every evaluation (drift 'apply')",
+                            (("drift", "apply"),)),
 }
-# Variants with a BF16 phase (TrainConfig.bf16_phase_start / _gemms, train/precision.py): the
-# last fraction of the steps runs the listed GEMMs in BF16 (the higher-precision final phase of
-# Chmiel et al., "FP4 All the Way", 2025; NVIDIA's NVFP4 recipe switches the forward alone).
-BF16_TAIL = {"lv2_bf16_tail": (0.1, GEMMS), "lv2_bf16_tail25": (0.25, GEMMS),
-             "lv2_bf16_fprop_tail": (0.18, ("fprop",))}
-VARIANTS.update({name: VARIANTS["lv2"] for name in BF16_TAIL})  # lv2 until the tail
+# TrainConfig fields a variant may set; every other field must agree between compared runs.
+VARIANT_FIELDS = ("adahop", "bf16_phase_start", "bf16_phase_gemms", "oscillation_dampening", "drift")
+PER_RUN_FIELDS = ("out_dir", "seed", "progress", "extra")
 
 
 def variant_config(name: str, base: adahop.AdaHOPConfig, seed: int) -> adahop.AdaHOPConfig:
-    """Variant ``name`` with the preset's calibration length, backend and OE k per GEMM (they
-    scale with the model), and the SR seed ``seed``."""
-    q = VARIANTS[name]().replace(calibration_steps=base.calibration_steps, backend=base.backend, seed=seed)
+    """Variant ``name``'s numerics with the preset's calibration length, backend and OE k per
+    GEMM (they scale with the model), and the SR seed ``seed``."""
+    q = VARIANTS[name].numerics().replace(calibration_steps=base.calibration_steps, backend=base.backend, seed=seed)
     return q.replace(**{g: dataclasses.replace(q.gemm(g), oe_k=base.gemm(g).oe_k) for g in GEMMS})
 
 
-def run_one(args, name: str, seed: int, env: dict) -> None:
-    from adahop.train.data import load_corpus
+def run_config(args, name: str, seed: int):
     from adahop.train.recipes import preset
-    from adahop.train.run import heldout_eval, open_run
-    from adahop.train.trainer import train
 
     out = Path(args.out) / f"{name}-s{seed}"
     overrides = dict(seed=seed, out_dir=str(out), corpus_dir=args.corpus, steps=args.steps, lr=args.lr,
-                     progress=False, compile=args.compile)
+                     progress=False, compile=args.compile, cudagraphs=args.cudagraphs or None)
+    if args.drift_measure and VARIANTS[name].numerics().adaptive:
+        overrides["drift"] = "measure"  # logged only: the trajectory is the same (analyze.drift)
     base = preset(args.preset, **overrides).adahop
-    # train() converts the model with cfg.adahop: the variant's numerics, set as a whole
-    if name in BF16_TAIL:
-        tail, gemms = BF16_TAIL[name]
-        overrides.update(bf16_phase_start=1 - tail, bf16_phase_gemms=gemms)
-    cfg = preset(args.preset, adahop=variant_config(name, base, seed), **overrides)
+    overrides.update(VARIANTS[name].train_fields)
+    return preset(args.preset, adahop=variant_config(name, base, seed), **overrides)
+
+
+def comparable_settings(cfg) -> dict:
+    """The settings every compared run must share: the TrainConfig but for the variant's fields
+    and the run's own (its folder, its seed)."""
+    d = cfg.to_dict()
+    return {k: v for k, v in d.items() if k not in VARIANT_FIELDS + PER_RUN_FIELDS}
+
+
+class FlopShareMeter:
+    """The run's share of linear-layer FLOPs in MXFP4, step by step (``on_step`` of ``train``):
+    each step counts with the modes it ran (a layer that was calibrating when the step began
+    counts as calibrating; a BF16 phase or a drift switch counts from the step after it)."""
+
+    def __init__(self, tokens: int):
+        self.tokens, self.shares, self.calibrating = tokens, [], None
+
+    def __call__(self, step: int, model) -> None:
+        from adahop.train.precision import mxfp4_flop_share
+
+        layers = adahop.adahop_layers(model)
+        if self.calibrating is None:  # the first step: the adaptive layers began it calibrating
+            self.calibrating = {n for n, m in layers.items() if m.config.adaptive}
+        self.shares.append(mxfp4_flop_share(model, self.tokens, calibrating=self.calibrating))
+        self.calibrating = {n for n, m in layers.items() if m.calibrating}
+
+    @property
+    def share(self) -> float:
+        return sum(self.shares) / len(self.shares) if self.shares else 0.0
+
+
+def run_one(args, name: str, seed: int, env: dict) -> None:
+    import torch
+
+    from adahop.train.data import load_corpus
+    from adahop.train.run import eval_fn_of, heldout_eval, open_run
+    from adahop.train.run_log import read_log
+    from adahop.train.trainer import train
+
+    cfg = run_config(args, name, seed)
+    out = Path(cfg.out_dir)
     corpus = load_corpus(cfg.corpus_dir)
     model, batches = open_run(cfg, corpus)
-
-    def eval_fn(m):
-        return heldout_eval(m, corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size, max_batches=cfg.eval_batches)
-
-    summary = train(cfg, model=model, train_batches=batches, eval_fn=eval_fn)
-    result = {"variant": name, "seed": seed, "steps": summary["steps"], "heldout_loss": summary["final_eval"]["loss"],
-              "last_train_losses": summary["losses"][-50:], "tokens_per_s": summary["tokens_per_s"],
-              "peak_memory_bytes": summary["peak_memory_bytes"], "compile": cfg.compile, "env": env}
+    eval_fn = eval_fn_of(cfg, corpus)
+    meter = FlopShareMeter(cfg.batch_size * cfg.seq_len)
+    summary = train(cfg, model=model, train_batches=batches, eval_fn=eval_fn, on_step=meter)
+    if summary.get("already_finished"):
+        raise SystemExit(f"{out} holds a finished run without its ablation.json: remove it to run it again")
+    drift = [{"step": r["step"], **{k: v for k, v in (r.get("eval") or r.get("final_eval"))["drift"].items()
+                                   if k != "changed"}}
+             for r in read_log(out) if "drift" in (r.get("eval") or r.get("final_eval") or {})]
+    result = {"variant": name, "seed": seed, "what": VARIANTS[name].what, "steps": summary["steps"],
+              "heldout_loss": summary["final_eval"]["loss"], "last_train_losses": summary["losses"][-50:],
+              "tokens_per_s": summary["tokens_per_s"], "peak_memory_bytes": summary["peak_memory_bytes"],
+              "mxfp4_flop_share": meter.share, "settings": comparable_settings(cfg), "corpus_id": corpus.corpus_id,
+              "drift": drift, "env": env}
     # The same weights evaluated with every GEMM in BF16: how much of the gap is the MXFP4
     # forward at evaluation time, and how much is in the trained weights.
     for layer in adahop.adahop_layers(model).values():
         layer.set_modes({gemm: "bf16" for gemm in GEMMS})
-    result["heldout_loss_bf16_eval"] = eval_fn(model)["loss"]
+    with torch.compiler.set_stance("force_eager"):  # new modes: no recompilation for one evaluation
+        result["heldout_loss_bf16_eval"] = heldout_eval(model, corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+                                                        max_batches=cfg.eval_batches)["loss"]
     (out / "ablation.json").write_text(json.dumps(result, indent=1))
-    print(f"[{name} seed {seed}] held-out {result['heldout_loss']:.4f}, "
-          f"BF16 evaluation {result['heldout_loss_bf16_eval']:.4f}", flush=True)
+    print(f"[{name} seed {seed}] held-out {result['heldout_loss']:.4f}, BF16 evaluation "
+          f"{result['heldout_loss_bf16_eval']:.4f}, MXFP4 share {meter.share:.1%}", flush=True)
+
+
+# ---- the report --------------------------------------------------------------------------------------
+def _mean_spread(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:+.4f}"
+    return f"{statistics.mean(values):+.4f} ± {statistics.stdev(values):.4f}"
+
+
+def check_comparable(runs: list[dict]) -> None:
+    """Stop when two runs differ in a setting that is not the variant's or the seed's."""
+    ref = None
+    for r in runs:
+        key = (r.get("settings"), r.get("corpus_id"))
+        if ref is None:
+            ref = (key, r)
+            continue
+        if key != ref[0]:
+            a, b = ref[1], r
+            fields = sorted(k for k in set(a.get("settings") or {}) | set(b.get("settings") or {})
+                            if (a.get("settings") or {}).get(k) != (b.get("settings") or {}).get(k))
+            if a.get("corpus_id") != b.get("corpus_id"):
+                fields.append("corpus")
+            raise SystemExit(f"runs {a['variant']}-s{a['seed']} and {b['variant']}-s{b['seed']} are not comparable: "
+                             f"they differ in {', '.join(fields) or 'settings recorded by one only'}")
 
 
 def report(out: Path) -> str:
-    """Gaps are paired by seed (a seed fixes the initialisation and the data order, which move the
-    loss far more than the numerics do): gap = variant(seed) - bf16(seed), over the seeds that
-    both finished."""
     runs = [json.loads(p.read_text()) for p in sorted(out.glob("*/ablation.json"))]
+    check_comparable(runs)
     loss = {(r["variant"], r["seed"]): r["heldout_loss"] for r in runs}
     base = {seed: v for (name, seed), v in loss.items() if name == "bf16"}
     if not base:
         raise SystemExit("no finished bf16 run to compare with")
-    lines = ["| variant | seeds | gap to bf16, mean over seeds | gap per seed | held-out loss per seed |",
-             "|---|---|---|---|---|"]
-    for name in VARIANTS:
+    naive = {seed: v for (name, seed), v in loss.items() if name == "mxfp4"}
+    share = {(r["variant"], r["seed"]): r.get("mxfp4_flop_share") for r in runs}
+    lines = ["Held-out loss gap to bf16, paired by seed (mean ± sample standard deviation over seeds):", "",
+             "| variant | seeds | gap to bf16 | minus mxfp4 (paired) | gap per seed | held-out loss per seed "
+             "| MXFP4 share of linear FLOPs |",
+             "|---|---|---|---|---|---|---|"]
+    names = list(VARIANTS) + sorted({r["variant"] for r in runs} - set(VARIANTS))
+    for name in names:
         seeds = sorted(seed for (v, seed) in loss if v == name and seed in base)
         if not seeds:
             continue
         gaps = [loss[name, s] - base[s] for s in seeds]
+        paired = [loss[name, s] - naive[s] for s in seeds if s in naive]
+        vs_naive = _mean_spread(paired) + (f" ({len(paired)})" if len(paired) != len(seeds) else "") \
+            if paired and name != "mxfp4" else "-"
         per_seed = ", ".join(f"s{s}: {g:+.4f}" for s, g in zip(seeds, gaps))
         losses = ", ".join(f"{loss[name, s]:.4f}" for s in seeds)
-        lines.append(f"| {name} | {len(seeds)} | {statistics.mean(gaps):+.4f} | {per_seed} | {losses} |")
+        shares = [share[name, s] for s in seeds if share.get((name, s)) is not None]
+        share_txt = f"{statistics.mean(shares):.1%}" if shares else "-"
+        lines.append(f"| {name} | {len(seeds)} | {_mean_spread(gaps)} | {vs_naive} | {per_seed} | {losses} "
+                     f"| {share_txt} |")
     table = "\n".join(lines) + "\n"
-    # The runs that also evaluated their weights with BF16 GEMMs (older runs did not).
+    # The runs that also evaluated their weights with BF16 GEMMs.
     bf16_eval = {(r["variant"], r["seed"]): r["heldout_loss_bf16_eval"] for r in runs if "heldout_loss_bf16_eval" in r}
     if bf16_eval:
         lines = ["", "Held-out loss with every GEMM in BF16 at evaluation (the same trained weights), gap to the "
                  "bf16 run:", "",
-                 "| variant | seeds | gap, MXFP4 evaluation (mean) | gap, BF16 evaluation (mean) "
-                 "| BF16-evaluation gap per seed |",
+                 "| variant | seeds | gap, MXFP4 evaluation | gap, BF16 evaluation | BF16-evaluation gap per seed |",
                  "|---|---|---|---|---|"]
-        for name in VARIANTS:
+        for name in names:
             seeds = sorted(seed for (v, seed) in bf16_eval if v == name and seed in base)
             if not seeds or name == "bf16":
                 continue
             gaps = [bf16_eval[name, s] - base[s] for s in seeds]
             mx = [loss[name, s] - base[s] for s in seeds]
             per_seed = ", ".join(f"s{s}: {g:+.4f}" for s, g in zip(seeds, gaps))
-            lines.append(f"| {name} | {len(seeds)} | {statistics.mean(mx):+.4f} | {statistics.mean(gaps):+.4f} "
-                         f"| {per_seed} |")
+            lines.append(f"| {name} | {len(seeds)} | {_mean_spread(mx)} | {_mean_spread(gaps)} | {per_seed} |")
         table += "\n".join(lines) + "\n"
+    drifted = [r for r in runs if r.get("drift")]
+    if drifted:
+        lines = ["", "Drift of the calibrated layers (analyze.drift at each evaluation; labels: 3 tensors per "
+                 "layer, modes: 3 GEMMs per layer):", "",
+                 "| run | step: label changes / mode changes (of layers) |", "|---|---|"]
+        for r in drifted:
+            cells = ", ".join(f"{d['step']}: {d['label_changes']} / {d['mode_changes']} ({d['layers']})"
+                              for d in r["drift"])
+            lines.append(f"| {r['variant']}-s{r['seed']} | {cells} |")
+        table += "\n".join(lines) + "\n"
+    lines = ["", "| run | tokens/s | peak memory (GiB) |", "|---|---|---|"]
+    for r in runs:
+        mem = r.get("peak_memory_bytes")
+        lines.append(f"| {r['variant']}-s{r['seed']} | {r['tokens_per_s'] or 0:,.0f} | "
+                     f"{mem / 2**30:.2f} |" if mem else f"| {r['variant']}-s{r['seed']} | "
+                     f"{r['tokens_per_s'] or 0:,.0f} | - |")
+    table += "\n".join(lines) + "\n"
     machines = sorted({environment_line(r["env"]) for r in runs if "env" in r})
     if machines:
         table += "\nRuns made on: " + " / ".join(machines) + "\n"
@@ -166,26 +318,76 @@ def report(out: Path) -> str:
     return table
 
 
+# ---- several runs at once --------------------------------------------------------------------------
+def run_jobs(argv: list[str], pending: list[tuple[str, int]], jobs: int, out: Path) -> list[str]:
+    """Run each pending (variant, seed) as its own process of this script, ``jobs`` at a time.
+    Returns the runs that failed."""
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    rest = _strip(argv, ("--variants", "--seeds", "--jobs"))
+    queue, running, failed = list(pending), [], []
+    while queue or running:
+        while queue and len(running) < jobs:
+            name, seed = queue.pop(0)
+            log = (logs / f"{name}-s{seed}.log").open("w")
+            cmd = [sys.executable, str(Path(__file__).resolve()), *rest, "--variants", name, "--seeds", str(seed),
+                   "--jobs", "1", "--no-report"]
+            running.append((name, seed, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+        time.sleep(1)
+        for item in list(running):
+            name, seed, proc, log = item
+            if proc.poll() is not None:
+                log.close()
+                running.remove(item)
+                status = "finished" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}, see {log.name})"
+                print(f"[{name} seed {seed}] {status}", flush=True)
+                if proc.returncode != 0:
+                    failed.append(f"{name}-s{seed}")
+    return failed
+
+
+def _strip(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """``argv`` without the listed options and their values."""
+    out, skip = [], False
+    for a in argv:
+        if a in options:
+            skip = True
+            continue
+        if skip and not a.startswith("--"):
+            continue
+        skip = False
+        out.append(a)
+    return out
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--corpus", default="runs/corpus", help="corpus folder made by adahop data (default: %(default)s)")
     p.add_argument("--out", default="runs/ablation",
-                   help="folder of the runs (<variant>-s<seed>, resumable) and ablation.md (default: %(default)s)")
+                   help="folder of the runs (<variant>-s<seed>) and ablation.md (default: %(default)s)")
     p.add_argument("--preset", default="cpu", choices=list(PRESETS),
                    help="training preset; a GPU one (h200, h200_125m) on a GPU machine (default: %(default)s)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the preset's)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
-                   help="variants to train (default: all)")
+    p.add_argument("--variants", nargs="+", default=["bf16", "mxfp4", "lv2"], choices=list(VARIANTS),
+                   help="variants to train (default: bf16 mxfp4 lv2)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0],
                    help="seeds (initialisation, data order and SR draws); gaps are paired by seed (default: 0)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once, one process each (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads, 0 for torch's default (default: 1, fastest for the small CPU runs)")
+                   help="torch CPU threads per run, 0 for torch's default (default: 1, fastest for small CPU runs)")
     p.add_argument("--compile", choices=("auto", "model", "blocks", "none"), default="auto",
                    help="adahop train --compile: the whole model, each block or nothing; auto: the model on a GPU "
                         "(default: %(default)s)")
+    p.add_argument("--cudagraphs", action="store_true", help="replay each compiled step as CUDA graphs")
+    p.add_argument("--drift-measure", action="store_true",
+                   help="adaptive variants also measure drift at each evaluation (logged; same trajectory)")
     p.add_argument("--report", action="store_true", help="only write the table of the finished runs")
+    p.add_argument("--no-report", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
     env = environment("ablation.py", argv)
     print_environment(env)
     out = Path(args.out)
@@ -194,9 +396,20 @@ def main(argv=None) -> int:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        for seed in args.seeds:
-            for name in args.variants:
+        pending = [(name, seed) for seed in args.seeds for name in args.variants
+                   if not (out / f"{name}-s{seed}" / "ablation.json").is_file()]
+        if args.jobs > 1 and len(pending) > 1:
+            failed = run_jobs(argv, pending, args.jobs, out)
+            if failed:
+                print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        else:
+            failed = []
+            for name, seed in pending:
                 run_one(args, name, seed, env)
+        if args.no_report:
+            return 0
+        if failed and not list(out.glob("*/ablation.json")):
+            return 1
     print(report(out))
     return 0
 

@@ -79,21 +79,34 @@ def test_train_compare_serial_and_parallel(corpus, tmp_path, capsys):
     assert "not comparable" in capsys.readouterr().err
 
 
-def test_ablation_pairs_gaps_by_seed(corpus, tmp_path):
+def test_ablation_pairs_gaps_by_seed(corpus, tmp_path, capsys):
     ab = load("ablation")
     out = tmp_path / "abl"
-    assert ab.main(["--corpus", str(corpus), "--out", str(out), "--preset", "debug", "--steps", "3",
-                    "--variants", "bf16", "lv2_fprop_bf16", "--seeds", "0", "1"]) == 0
-    runs = {(r["variant"], r["seed"]): r["heldout_loss"] for r in
-            (json.loads(p.read_text()) for p in out.glob("*/ablation.json"))}
-    assert len(runs) == 4
+    common = ["--corpus", str(corpus), "--out", str(out), "--preset", "debug", "--steps", "3"]
+    assert ab.main([*common, "--variants", "bf16", "lv2_fprop_bf16", "--seeds", "0", "1", "--jobs", "2"]) == 0
+    assert (out / "logs" / "bf16-s1.log").is_file()  # each run in its own process
+    assert ab.main([*common, "--variants", "mxfp4", "--seeds", "0"]) == 0
+    runs = {(r["variant"], r["seed"]): r for r in (json.loads(p.read_text()) for p in out.glob("*/ablation.json"))}
+    assert len(runs) == 5
     modes = json.loads((out / "lv2_fprop_bf16-s0" / "modes.json").read_text())
     assert all(m["fprop"] == "bf16" for m in modes.values())  # the variant's override took effect
+    loss = {k: r["heldout_loss"] for k, r in runs.items()}
     table = (out / "ablation.md").read_text()
-    gap0 = runs["lv2_fprop_bf16", 0] - runs["bf16", 0]
-    gap1 = runs["lv2_fprop_bf16", 1] - runs["bf16", 1]
-    assert f"{(gap0 + gap1) / 2:+.4f}" in table and f"s0: {gap0:+.4f}" in table
+    gap0 = loss["lv2_fprop_bf16", 0] - loss["bf16", 0]
+    gap1 = loss["lv2_fprop_bf16", 1] - loss["bf16", 1]
+    spread = abs(gap0 - gap1) / 2 ** 0.5  # the sample standard deviation of two values
+    assert f"{(gap0 + gap1) / 2:+.4f} ± {spread:.4f}" in table and f"s0: {gap0:+.4f}" in table
+    assert f"{loss['lv2_fprop_bf16', 0] - loss['mxfp4', 0]:+.4f} (1)" in table  # paired with mxfp4's one seed
     assert "Runs made on: " in table and f"torch {torch.__version__}" in table
+    # debug preset: 3 steps, 3 calibration steps in BF16, so nothing ran in MXFP4 but mxfp4 itself;
+    # the LM head (bf16) is part of the linear FLOPs
+    assert runs["bf16", 0]["mxfp4_flop_share"] == 0 and runs["lv2_fprop_bf16", 0]["mxfp4_flop_share"] == 0
+    assert 0.5 < runs["mxfp4", 0]["mxfp4_flop_share"] < 1
+    # a run of another length is trained, but the report does not compare it with them
+    with pytest.raises(SystemExit, match="not comparable: they differ in steps"):
+        ab.main([*common[:-1], "2", "--variants", "mxfp4", "--seeds", "1"])
+    assert (out / "mxfp4-s1" / "ablation.json").is_file()
+    capsys.readouterr()
 
 
 def test_backend_agreement_windows_and_differences():

@@ -82,3 +82,22 @@ def test_bf16_phase_settings_are_checked():
     back = TrainConfig.from_dict(dataclasses.replace(base, bf16_blocks=(1, 2), bf16_phase_start=0.9,
                                                      bf16_phase_gemms=("fprop", "wgrad")).to_dict())
     assert back.bf16_blocks == (1, 2) and back.bf16_phase_gemms == ("fprop", "wgrad")
+
+
+def test_mxfp4_flop_share_counts_every_linear_and_the_oe_slices():
+    from adahop.train.precision import mxfp4_flop_share
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 64))  # 2048 MACs per token each
+    cfg = adahop.AdaHOPConfig.from_recipe_name("adahop_lv2", calibration_gemms="iht").with_gemm_settings(oe_k=8)
+    adahop.convert_to_adahop_training(model, config=cfg)
+    first, second = adahop.adahop_layers(model).values()
+    assert mxfp4_flop_share(model, tokens=16) == 1.0  # both calibrating, in IHT + MXFP4
+    first.set_modes({"fprop": "iht+oe_left", "dgrad": "bf16", "wgrad": "iht+oe_right"})
+    second.set_modes({"fprop": "iht", "dgrad": "iht", "wgrad": "mxfp4"})
+    # first: fprop keeps 8 of 16 tokens in BF16, dgrad is BF16, wgrad 8 of K = 64 columns
+    expected = ((1 - 8 / 16) + 0 + (1 - 8 / 64) + 3) / 6
+    assert mxfp4_flop_share(model, tokens=16) == pytest.approx(expected)
+    assert mxfp4_flop_share(model, tokens=16, calibrating={"0"}) == 1.0  # as if "0" still ran its calibration
+    plain = torch.nn.Sequential(torch.nn.Linear(64, 32), model)  # an unconverted linear counts as BF16
+    assert mxfp4_flop_share(plain, tokens=16) == pytest.approx(expected * 2 / 3)

@@ -70,31 +70,11 @@ def train_config(args):
     return cfg
 
 
-def drift_of(model, corpus, cfg) -> dict:
-    """``analyze.drift.measure_drift`` on the first ``drift_batches`` held-out batches of each
-    source, as training runs (bf16 autocast on a GPU; a compiled model eagerly: its observations
-    read back to the host), the changes applied with ``cfg.drift == "apply"``."""
-    import itertools
-
-    import torch
-
-    from adahop.analyze.drift import measure_drift
-    from adahop.train.data import TokenBatches
-
-    device = next(model.parameters()).device
-    batches = [b for s in corpus.sources for b in itertools.islice(
-        TokenBatches(corpus, "val", batch_size=cfg.batch_size, seq_len=cfg.seq_len, sources=[s]), cfg.drift_batches)]
-    batches = [(x.to(device), y.to(device)) for x, y in batches]
-    with torch.compiler.set_stance("force_eager"), torch.autocast(
-            device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        return measure_drift(model, batches, apply=cfg.drift == "apply")
-
-
 def run_train(args) -> dict:
     import torch
 
     from adahop.train.data import load_corpus
-    from adahop.train.run import heldout_eval, open_run
+    from adahop.train.run import eval_fn_of, open_run
     from adahop.train.run_folder import ensure_writable_dir
     from adahop.train.trainer import train
 
@@ -113,13 +93,8 @@ def run_train(args) -> dict:
                              "use a new --out or --no-resume")
     model, batches = open_run(cfg, corpus)
 
-    def eval_fn(m):
-        result = heldout_eval(m, corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size, max_batches=cfg.eval_batches)
-        if cfg.drift != "off" and adahop.is_calibrated(m):
-            result["drift"] = drift_of(m, corpus, cfg)
-        return result
-
-    summary = train(cfg, model=model, train_batches=batches, eval_fn=eval_fn, resume=not args.no_resume)
+    summary = train(cfg, model=model, train_batches=batches, eval_fn=eval_fn_of(cfg, corpus),
+                    resume=not args.no_resume)
     final = (summary["final_eval"] or {}).get("sources", {})
     desc = ", ".join(f"{s}: {v['loss']:.4f} nats, {v['bpb']:.4f} bpb" for s, v in final.items())
     if _rank():  # under torchrun, rank 0 says it for the run

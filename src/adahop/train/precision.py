@@ -105,3 +105,51 @@ def apply_bf16_phase(model: nn.Module, gemms: tuple[str, ...]) -> list[str]:
             layer.set_modes(new, layer.patterns)
             changed.append(fqn)
     return changed
+
+
+# The outer dim each OE mode selects its k high-precision slices from, as a function of the
+# GEMM's (T, N, K) (layer_ops: fprop y = x w^T, dgrad dx = g w, wgrad dw = g^T x).
+_OE_OUTER = {
+    ("fprop", "iht+oe_left"): 0, ("fprop", "iht+oe_right"): 1,
+    ("dgrad", "iht+oe_left"): 0, ("dgrad", "iht+oe_right"): 2,
+    ("wgrad", "iht+oe_right"): 2,
+}
+
+
+def mxfp4_flop_share(model: nn.Module, tokens: int, calibrating: set[str] | None = None) -> float:
+    """The share of one training step's linear-layer GEMM FLOPs that run in MXFP4, with the
+    modes the layers have now.
+
+    Every ``nn.Linear`` counts, converted or not (an LM head or a BF16 block is high precision),
+    each with its three GEMMs of ``2 * tokens * N * K`` FLOPs. A GEMM in an MXFP4 mode counts
+    but for its OE slices (k of the outer dim it selects from, in high precision). The layers
+    named in ``calibrating`` (default: those calibrating now) count as their calibration runs
+    them: nothing in MXFP4 under ``calibration_gemms="bf16"``, all of it under "iht"."""
+    from adahop.linear import AdaHOPLinear
+
+    layers = adahop_layers(model)
+    if calibrating is None:
+        calibrating = {fqn for fqn, layer in layers.items() if layer.calibrating}
+    total = low = 0.0
+    for fqn, mod in model.named_modules():
+        if not isinstance(mod, (nn.Linear, AdaHOPLinear)):
+            continue
+        n, k = mod.out_features, mod.in_features
+        flops = 2.0 * tokens * n * k
+        total += 3 * flops
+        if not isinstance(mod, AdaHOPLinear):
+            continue
+        if fqn in calibrating:
+            low += 3 * flops if mod.config.calibration_gemms == "iht" else 0.0
+            continue
+        for gemm in GEMMS:
+            mode = mod.modes[gemm]
+            if mode == "bf16":
+                continue
+            outer = _OE_OUTER.get((gemm, mode))
+            hp = 0.0
+            if outer is not None:
+                size = (tokens, n, k)[outer]
+                hp = min((mod.oe_ks or {}).get(gemm, mod.config.gemm(gemm).oe_k), size) / size
+            low += flops * (1 - hp)
+    return low / total if total else 0.0

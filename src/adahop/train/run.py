@@ -5,9 +5,7 @@ build the same run without going through the command line::
 
     corpus = load_corpus(cfg.corpus_dir)
     model, batches = open_run(cfg, corpus)
-    summary = train(cfg, model=model, train_batches=batches,
-                    eval_fn=lambda m: heldout_eval(m, corpus, seq_len=cfg.seq_len,
-                                                   batch_size=cfg.batch_size, max_batches=cfg.eval_batches))
+    summary = train(cfg, model=model, train_batches=batches, eval_fn=eval_fn_of(cfg, corpus))
 """
 
 from __future__ import annotations
@@ -53,3 +51,33 @@ def heldout_eval(model, corpus: Corpus, *, seq_len: int, batch_size: int, max_ba
              for s in corpus.sources}
     device = next(model.parameters()).device
     return heldout_loss(model, batches, sizes=sizes, autocast_dtype=torch.bfloat16 if device.type == "cuda" else None)
+
+
+def drift_of(model, corpus: Corpus, cfg: TrainConfig) -> dict:
+    """``analyze.drift.measure_drift`` on the first ``drift_batches`` held-out batches of each
+    source, as training runs (bf16 autocast on a GPU; a compiled model eagerly: its observations
+    are read back to the host), the changes applied with ``cfg.drift == "apply"``."""
+    from adahop.analyze.drift import measure_drift
+
+    device = next(model.parameters()).device
+    batches = [b for s in corpus.sources for b in itertools.islice(
+        TokenBatches(corpus, "val", batch_size=cfg.batch_size, seq_len=cfg.seq_len, sources=[s]), cfg.drift_batches)]
+    batches = [(x.to(device), y.to(device)) for x, y in batches]
+    with torch.compiler.set_stance("force_eager"), torch.autocast(
+            device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        return measure_drift(model, batches, apply=cfg.drift == "apply")
+
+
+def eval_fn_of(cfg: TrainConfig, corpus: Corpus):
+    """The evaluation ``train`` runs for ``cfg``: ``heldout_eval`` over ``cfg.eval_batches``, and
+    with ``cfg.drift`` on, the drift of a calibrated model under ``"drift"``."""
+    from adahop.convert import is_calibrated
+
+    def eval_fn(model) -> dict:
+        result = heldout_eval(model, corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+                              max_batches=cfg.eval_batches)
+        if cfg.drift != "off" and is_calibrated(model):
+            result["drift"] = drift_of(model, corpus, cfg)
+        return result
+
+    return eval_fn
