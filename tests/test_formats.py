@@ -788,3 +788,9 @@ def test_rejects_bad_seed(seed):
 def test_rejects_bad_dim(dim):
     with pytest.raises(ValueError, match="out of range"):
         quantize_mxfp4(torch.ones(4, 32), dim=dim)
+
+
+def test_e2m1_magnitude_is_the_grid():
+    from adahop.formats.mxfp4 import E2M1_GRID, e2m1_magnitude
+
+    assert e2m1_magnitude(torch.arange(8, dtype=torch.uint8)).tolist() == list(E2M1_GRID)

@@ -269,10 +269,17 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
+def e2m1_magnitude(mag_codes: torch.Tensor) -> torch.Tensor:
+    """Magnitude codes 0..7 -> ``E2M1_GRID`` values (float32), by arithmetic: 0.5 c below 4,
+    c - 2 for 4 and 5, 2 (c - 4) for 6 and 7. Exact, and no table is copied to the device (a
+    host-to-device copy is not allowed in a CUDA-graph capture and synchronises outside one)."""
+    c = mag_codes.to(torch.float32)
+    return torch.where(c < 4, c * 0.5, torch.where(c < 6, c - 2.0, (c - 4.0) * 2.0))
+
+
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """Unpacked E2M1 codes (uint8) -> float32 values (without scale)."""
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=codes.device)
-    mag = grid[(codes & 0x7).long()]
+    mag = e2m1_magnitude(codes & 0x7)
     return torch.where((codes & E2M1_SIGN_BIT) != 0, -mag, mag)
 
 
@@ -342,8 +349,7 @@ def fake_quantize_mxfp4_tiles(
     finite = torch.isfinite(amax)
     exp = scale_exponent(torch.where(finite, amax, 0.0), scale_mode)
     scaled = (tiles * pow2_f32(-exp)).clamp(-E2M1_MAX, E2M1_MAX)
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=x.device)
-    mag = grid[_round_rne(scaled.abs()).long()]
+    mag = e2m1_magnitude(_round_rne(scaled.abs()))
     vals = torch.where(torch.signbit(scaled), -mag, mag) * pow2_f32(exp)
     vals = torch.where(finite, vals, float("nan"))
     return vals.reshape(padded.shape)[:rows, :cols].contiguous()
