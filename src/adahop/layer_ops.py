@@ -219,22 +219,30 @@ def forward_weight(weight: torch.Tensor, plan: LayerPlan, dtype: torch.dtype) ->
       computes in high precision are the weight's own.
 
     Recomputed where it is needed rather than saved (W's rounding is RNE: the same bits each
-    time), so nothing weight-sized is kept from the forward to the backward."""
+    time), so nothing weight-sized is kept from the forward to the backward.
+
+    ``weight`` may also be that quantized B itself, an ``MXFP4Tensor`` (plain ``mxfp4`` or ``iht``
+    fprop; what ``train.quantized_all_gather`` gathers): it is dequantized and rotated back, the
+    same values as from the weight it was quantized from."""
     fp = plan.fprop
-    w = weight.to(dtype)
-    if not fp.quantized:
-        return w
-    if fp.mode == "mxfp4" and plan.dgrad_weight == "forward":
-        return fake_quantize_mxfp4_tiles(w, block_size=fp.b.block_size, scale_mode=fp.b.scale_mode)
-    rows = plan.backend.select_outer(w, 0, fp.oe_k) if fp.mode == "iht+oe_right" else None
-    zeroed = w if rows is None else w.index_fill(0, rows, 0)
-    w_f = dequantize_mxfp4(quantize_operand(zeroed, 1, fp.b), keep_padding=True)
+    rows = None
+    if isinstance(weight, MXFP4Tensor):
+        w_f = dequantize_mxfp4(weight, keep_padding=True)
+    else:
+        w = weight.to(dtype)
+        if not fp.quantized:
+            return w
+        if fp.mode == "mxfp4" and plan.dgrad_weight == "forward":
+            return fake_quantize_mxfp4_tiles(w, block_size=fp.b.block_size, scale_mode=fp.b.scale_mode)
+        rows = plan.backend.select_outer(w, 0, fp.oe_k) if fp.mode == "iht+oe_right" else None
+        zeroed = w if rows is None else w.index_fill(0, rows, 0)
+        w_f = dequantize_mxfp4(quantize_operand(zeroed, 1, fp.b), keep_padding=True)
     if fp.b.hadamard_size is not None:
         signs = None
         if fp.b.signs_seed is not None:
-            signs = random_signs(w_f.shape[-1], fp.b.signs_seed, device=w.device)
+            signs = random_signs(w_f.shape[-1], fp.b.signs_seed, device=w_f.device)
         w_f = inverse_block_hadamard(w_f, dim=-1, size=fp.b.hadamard_size, signs=signs)
-    w_f = w_f[:, : w.shape[1]]
+    w_f = w_f[:, : weight.shape[1]]
     if rows is not None:
         w_f[rows] = w[rows].to(w_f.dtype)
     return w_f.contiguous()
@@ -249,9 +257,13 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan):
     # The parameter itself is saved and cast again in the backward: saving the cast copy
     # (bf16 under autocast) would hold 2 bytes per weight for the whole step. A plain fprop
     # mode casts it in its quantize kernel (PLAIN_MODES); the others use a cast copy.
+    # ``weight`` may be fprop's B already quantized (an ``MXFP4Tensor``, plain or IHT fprop:
+    # train.quantized_all_gather), which the GEMM takes as it is.
     fp, wg = plan.fprop, plan.wgrad
     cast_in_kernel = fp.mode in PLAIN_MODES
-    if plan.dgrad_weight == "forward" and fp.mode == "mxfp4":
+    if isinstance(weight, MXFP4Tensor):
+        assert cast_in_kernel, f"a quantized weight reaches fprop mode {fp.mode!r}"
+    elif plan.dgrad_weight == "forward" and fp.mode == "mxfp4":
         weight = forward_weight(weight, plan, x_TK.dtype)  # tile-quantized: fprop re-quantizes it exactly
     w_NK = weight if cast_in_kernel else weight.to(x_TK.dtype)
     backend = plan.backend
@@ -295,10 +307,11 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan):
 
 
 def backward_gemms(g_TN: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, *, needs_dx: bool, needs_dw: bool,
-                   x_TK=None, x_q=None, cols_hp=None, cols_idx=None):
+                   x_TK=None, x_q=None, cols_hp=None, cols_idx=None, dw_dtype: torch.dtype | None = None):
     """dgrad and wgrad. ``x_TK``: the activation (wgrad in bf16); ``x_q``, ``cols_hp``,
-    ``cols_idx``: what ``forward_gemms`` returned (wgrad quantized). Returns ``(dx_TK, dw_NK)``,
-    None where not asked."""
+    ``cols_idx``: what ``forward_gemms`` returned (wgrad quantized). ``weight`` as in
+    ``forward_weight``; ``dw_dtype``: the weight's dtype where ``weight`` is quantized. Returns
+    ``(dx_TK, dw_NK)``, None where not asked."""
     backend = plan.backend
     g_TN = g_TN.contiguous()
     dx_TK = dw_NK = None
@@ -349,7 +362,7 @@ def backward_gemms(g_TN: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, *,
                 a_hp=lambda idx: g_TN.t(),
                 b_cols_hp=cols_hp, b_cols_idx=cols_idx,
                 a_q=g_wgrad,
-                out_dtype=weight.dtype,
+                out_dtype=dw_dtype or weight.dtype,
             )
     return dx_TK, dw_NK
 
@@ -376,6 +389,12 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, rng_state: torch.Tenso
                    needs_backward: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """fprop of one layer call: ``(y, x_codes, x_scales, cols_hp, cols_idx)``, the last four
     empty where wgrad does not need them (module doc)."""
+    return run_forward(x, weight, rng_state, numerics, needs_backward)
+
+
+def run_forward(x, weight, rng_state, numerics, needs_backward):
+    """``linear_forward``'s implementation. ``weight``: the layer's weight or fprop's B already
+    quantized (``forward_gemms``; train.quantized_all_gather runs the op so for its weights)."""
     plan = layer_plan(numerics, rng_state, x.device, needs_backward)
     y, x_q, cols_hp, cols_idx = forward_gemms(x, weight, plan)
     u8 = torch.uint8
@@ -403,6 +422,14 @@ def linear_backward(g: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, x_co
     """dgrad and wgrad of one layer call: ``(dx, dw)``, each empty where not asked. ``x``: the
     activation where wgrad runs in bf16 (else empty); the others as ``linear_forward`` returned
     them."""
+    return run_backward(g, weight, x, x_codes, x_scales, cols_hp, cols_idx, rng_state, numerics, needs_dx, needs_dw)
+
+
+def run_backward(g, weight, x, x_codes, x_scales, cols_hp, cols_idx, rng_state, numerics, needs_dx, needs_dw,
+                 dw_dtype=None):
+    """``linear_backward``'s implementation; ``weight`` as in ``run_forward`` (``dw_dtype``: the
+    weight's dtype where it is quantized)."""
+    dw_dtype = dw_dtype or weight.dtype
     plan = layer_plan(numerics, rng_state, g.device, True)
     T, K = g.shape[0], weight.shape[1]
     x_q = None
@@ -410,8 +437,9 @@ def linear_backward(g: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, x_co
         x_q = MXFP4Tensor(x_codes, x_scales, torch.Size((T, K)), 0, plan.wgrad.b.block_size)
     has_cols = plan.wgrad.mode == "iht+oe_right"
     dx, dw = backward_gemms(g, weight, plan, needs_dx=needs_dx, needs_dw=needs_dw, x_TK=x, x_q=x_q,
-                            cols_hp=cols_hp if has_cols else None, cols_idx=cols_idx if has_cols else None)
-    return (_none(g, g.dtype) if dx is None else dx, _none(g, weight.dtype) if dw is None else dw)
+                            cols_hp=cols_hp if has_cols else None, cols_idx=cols_idx if has_cols else None,
+                            dw_dtype=dw_dtype)
+    return (_none(g, g.dtype) if dx is None else dx, _none(g, dw_dtype) if dw is None else dw)
 
 
 @linear_backward.register_fake

@@ -222,6 +222,12 @@ class AdaHOPLinear(nn.Linear):
                       for g in GEMMS)
         self.__dict__["_numerics"] = numerics_key(config, modes, signs, self.__dict__.get("oe_ks"))
 
+    @property
+    def numerics(self) -> str:
+        """The ops' description of this layer's GEMMs now (``layer_ops.numerics_key``): what an
+        operand quantized ahead of a call (train.quantized_all_gather's weight) must match."""
+        return self._numerics
+
     def _plan(self, device: torch.device, needs_backward: bool = True) -> LayerPlan:
         """The plan of the next call (its SR seeds read the current counter): for inspection;
         the forward passes the same through the ops."""
