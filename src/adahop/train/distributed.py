@@ -280,22 +280,36 @@ class Parallel:
                          if not layer.runs_plain_linear}
         self._sr_checked = False
 
-    def shard_model(self, model: nn.Module, *, bf16: bool) -> None:
+    def shard_model(self, model: nn.Module, *, bf16: bool, quantized_all_gather: bool = False) -> dict[str, str]:
         """FSDP2 (before the optimizer is built): ``fully_shard`` on each transformer block, then
         on the whole model (the embedding, the final norm, the head), torchtitan's way; each
         rank keeps 1/W of every parameter and the blocks all-gather theirs for their forward and
         backward. Mixed precision: parameters gathered in bf16 when the run computes in bf16
-        (``bf16``: autocast, by default on CUDA), float32 otherwise; gradients reduced in float32."""
+        (``bf16``: autocast, by default on CUDA), float32 otherwise; gradients reduced in float32.
+
+        ``quantized_all_gather``: each AdaHOP layer's weight is gathered as fprop's MXFP4 operand
+        once its modes allow (``train.quantized_all_gather``). Returns the layers left to FSDP2's
+        own gather, with why (empty otherwise)."""
         if self.mode != "fsdp2":
-            return
+            if quantized_all_gather:
+                raise ValueError(f"quantized_all_gather needs parallel 'fsdp2', got {self.mode!r}")
+            return {}
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        left = {}
+        if quantized_all_gather:
+            from adahop.train import quantized_all_gather as qag
+
+            left = qag.install(model, self.world)
         mesh = init_device_mesh(self.device.type, (self.world,))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
         for block in transformer_blocks(model):
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
+        if quantized_all_gather:
+            qag.attach(model)
+        return left
 
     def clip_grad_norm(self, parameters, max_norm: float) -> torch.Tensor:
         """``clip_grad_norm_``; under FSDP2 the norm of the sharded gradients is a DTensor whose
