@@ -62,7 +62,7 @@ def train_config(args):
                  bf16_blocks=args.bf16_blocks,
                  bf16_phase_start=args.bf16_phase[0] if args.bf16_phase else None,
                  bf16_phase_gemms=args.bf16_phase[1] if args.bf16_phase else None, parallel=args.parallel,
-                 drift=args.drift)
+                 quantized_all_gather=args.quantized_all_gather or None, drift=args.drift)
     cfg.validate()  # the fraction and the GEMM names are checked here, with the calibration length
     from adahop.train.distributed import check_launch
 
@@ -393,6 +393,10 @@ def _add_train_args(p):
                    help="data parallel, one process per GPU (or CPU process) under torchrun --nproc-per-node N: "
                         "ddp (every rank holds the model) or fsdp2 (parameters sharded per block); --batch-size is "
                         "the global batch, split over the ranks (docs/distributed.md)")
+    g.add_argument("--quantized-all-gather", action="store_true",
+                   help="with --parallel fsdp2 and --dgrad-weight forward: all-gather each AdaHOP layer's weight as "
+                        "the forward GEMM's MXFP4 operand (4.25 bits a value, not bf16's 16), bit-identical to "
+                        "quantizing after the bf16 gather (docs/distributed.md, 'The quantized all-gather')")
     g.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch (0: torch's default). 1 is the fastest for the small "
                         "models a CPU trains: the reference MXFP4 path is many small ops, and on 2 "

@@ -93,6 +93,8 @@ class TrainConfig:
     compile: str = "auto"
     cudagraphs: bool = False  # with the model compiled: replay each step as CUDA graphs (reduce-overhead)
     parallel: str = "none"  # "ddp" or "fsdp2" under torchrun (train/distributed.py; batch_size is the global batch)
+    # fsdp2: gather each AdaHOP layer's weight as the forward GEMM's MXFP4 operand (train/quantized_all_gather.py)
+    quantized_all_gather: bool = False
     log_every: int = 1
     sync_every: int = 10  # read losses back from the device every this many steps (see train())
     eval_every: int = 0  # 0: only at the end
@@ -188,6 +190,10 @@ class TrainConfig:
         validate_schedule(self.steps, self.grad_accum, self.bf16_phase_start,
                           self.adahop.calibration_steps if self.adahop.adaptive else None)
         device = resolve_device(self.device)
+        if self.quantized_all_gather:
+            from adahop.train.quantized_all_gather import check_config
+
+            check_config(self.parallel, self.adahop, resolve_compile(self, device))
         # The backend is first asked for at the first MXFP4 step, after the BF16 calibration:
         # one that cannot run on this device is refused here, before any work.
         # (bf16 runs no MXFP4 GEMM: there a known backend is not asked to run.)
@@ -280,9 +286,10 @@ class StopTraining(Exception):  # noqa: N818  (a signal, not an error)
 # (``adahop.backend`` may change too: every backend gives the reference's quantized bits, and
 # their GEMMs differ only in accumulation order.)
 # (``parallel`` may change between ddp and fsdp2: their sharded checkpoints are the same format.)
+# (``quantized_all_gather`` may change: it gathers the operand the layer would quantize, bit for bit.)
 RESUMABLE_CHANGES = ("out_dir", "corpus_dir", "device", "compile", "cudagraphs", "progress", "log_every", "sync_every",
                      "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "extra", "parallel",
-                     "drift_batches")
+                     "drift_batches", "quantized_all_gather")
 
 
 def resume_conflicts(saved: dict, cfg: TrainConfig) -> list[str]:
@@ -422,7 +429,7 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
         compile_model(model, **({"mode": "reduce-overhead"} if cfg.cudagraphs else {}))
     elif compile_mode == "blocks":
         compile_blocks(model)
-    par.shard_model(model, bf16=use_bf16)  # FSDP2: before the optimizer sees the parameters
+    par.shard_model(model, bf16=use_bf16, quantized_all_gather=cfg.quantized_all_gather)  # FSDP2: before the optimizer
     opt = make_optimizer(model, cfg)
 
     start_step = 0
