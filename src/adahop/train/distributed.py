@@ -5,7 +5,8 @@ One ``Parallel`` object per run says where this process stands (rank, world size
 does the few things data parallelism adds to the trainer:
 
 * ``wrap`` (DDP) / ``shard_model`` (FSDP2: ``fully_shard`` per block, bf16 or float32
-  parameters, float32 reductions) / ``clip_grad_norm``.
+  parameters, float32 reductions; optionally the AdaHOP weights gathered as fprop's MXFP4 operand,
+  ``train.quantized_all_gather``) / ``clip_grad_norm``.
 * ``shard``: the global batch of ``batch_size`` sequences is the same on every rank (every rank
   draws it from the same seeded iterator); rank r trains on rows ``[r*B/W, (r+1)*B/W)``. The
   data position is therefore global, the same on every rank, and resumes on any world size.
