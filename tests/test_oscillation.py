@@ -55,8 +55,8 @@ def distance_to_grid(model):
 
 
 def test_a_tiny_model_trains_with_dampening_and_its_weights_sit_closer_to_the_grid(tmp_path):
-    plain_model, damped_model = llama(), llama()
-    cfg = config(tmp_path / "plain", steps=30, recipe="mxfp4_iht")
+    plain_model, damped_model = llama(n_layers=2), llama(n_layers=2)
+    cfg = config(tmp_path / "plain", steps=16, recipe="mxfp4_iht")
     plain = train(cfg, model=plain_model, train_batches=CountingBatches())
     damped = train(dataclasses.replace(cfg, out_dir=str(tmp_path / "damped"), oscillation_dampening=50.0),
                    model=damped_model, train_batches=CountingBatches())
