@@ -37,6 +37,7 @@ from common import environment, environment_line, print_environment
 import adahop
 from adahop.policy import GEMMS, table_policy
 from adahop.train.recipes import PRESETS
+from adahop.train.trainer import COMPILE_CHOICES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,11 +152,12 @@ def run_config(args, name: str, seed: int):
     out = Path(args.out) / f"{name}-s{seed}"
     overrides = dict(seed=seed, out_dir=str(out), corpus_dir=args.corpus, steps=args.steps, lr=args.lr,
                      progress=False, compile=args.compile, cudagraphs=args.cudagraphs or None)
-    if args.drift_measure and VARIANTS[name].numerics().adaptive:
-        overrides["drift"] = "measure"  # logged only: the trajectory is the same (analyze.drift)
     base = preset(args.preset, **overrides).adahop
+    numerics = variant_config(name, base, seed)
+    if args.drift_measure and numerics.adaptive:
+        overrides["drift"] = "measure"  # logged only: the trajectory is the same (analyze.drift)
     overrides.update(VARIANTS[name].train_fields)
-    return preset(args.preset, adahop=variant_config(name, base, seed), **overrides)
+    return preset(args.preset, adahop=numerics, **overrides)
 
 
 def comparable_settings(cfg) -> dict:
@@ -377,7 +379,7 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="runs at once, one process each (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads per run, 0 for torch's default (default: 1, fastest for small CPU runs)")
-    p.add_argument("--compile", choices=("auto", "model", "blocks", "none"), default="auto",
+    p.add_argument("--compile", choices=COMPILE_CHOICES, default="auto",
                    help="adahop train --compile: the whole model, each block or nothing; auto: the model on a GPU "
                         "(default: %(default)s)")
     p.add_argument("--cudagraphs", action="store_true", help="replay each compiled step as CUDA graphs")

@@ -337,7 +337,7 @@ def _bf16_phase(text: str) -> tuple[float, tuple[str, ...]]:
 
 
 def _add_train_args(p):
-    from adahop.config import BACKEND_CHOICES
+    from adahop.config import BACKEND_CHOICES, DGRAD_WEIGHTS
     from adahop.train.model import SIZES
     from adahop.train.recipes import PRESETS
 
@@ -361,7 +361,7 @@ def _add_train_args(p):
     g.add_argument("--calibration-gemms", choices=("bf16", "iht"), default=None,
                    help="what the GEMMs run while calibrating: bf16 (the paper's; the default) or iht "
                         "(IHT + MXFP4: each layer saves x packed instead of in BF16 for the backward)")
-    g.add_argument("--dgrad-weight", choices=("master", "forward"), default=None,
+    g.add_argument("--dgrad-weight", choices=DGRAD_WEIGHTS, default=None,
                    help="the weight dgrad multiplies by: master (the layer's own, quantized on its own; the "
                         "default) or forward (the forward GEMM's quantized weight: one quantized W in both)")
     g.add_argument("--oscillation-dampening", type=float, default=None, metavar="LAMBDA",
