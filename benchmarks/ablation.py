@@ -94,6 +94,8 @@ VARIANTS: dict[str, Variant] = {
     "lv2": Variant(_LV2, "adahop_lv2"),
     "lv1": Variant(_recipe("adahop_lv1"), "adahop_lv1"),
     "measured": Variant(_recipe("adahop_measured"), "the measured policy (adahop_measured), 8% FLOP budget"),
+    # calibration in IHT + MXFP4 instead of BF16: no BF16 activations kept (the memory peak)
+    "lv2_calib_iht": Variant(_recipe("adahop_lv2", calibration_gemms="iht"), "lv2, calibration steps in IHT + MXFP4"),
     # one GEMM (or two) kept in BF16: where the gap comes from
     "lv2_fprop_bf16": Variant(_lv2_forcing(fprop="bf16"), "lv2, fprop in BF16 (only the backward in MXFP4)"),
     "lv2_dgrad_bf16": Variant(_lv2_forcing(dgrad="bf16"), "lv2, dgrad in BF16"),
