@@ -235,18 +235,28 @@ def _mean_spread(values: list[float]) -> str:
     return f"{statistics.mean(values):+.4f} ± {statistics.stdev(values):.4f}"
 
 
+def _with_defaults(settings: dict | None) -> dict | None:
+    """``settings`` with the TrainConfig fields it lacks at their defaults: a field added to
+    TrainConfig after a run was made gets a default that does what the code did before it."""
+    from adahop.train.trainer import TrainConfig
+
+    if settings is None:
+        return None
+    return {**comparable_settings(TrainConfig()), **settings}
+
+
 def check_comparable(runs: list[dict]) -> None:
     """Stop when two runs differ in a setting that is not the variant's or the seed's."""
     ref = None
     for r in runs:
-        key = (r.get("settings"), r.get("corpus_id"))
+        key = (_with_defaults(r.get("settings")), r.get("corpus_id"))
         if ref is None:
             ref = (key, r)
             continue
         if key != ref[0]:
             a, b = ref[1], r
-            fields = sorted(k for k in set(a.get("settings") or {}) | set(b.get("settings") or {})
-                            if (a.get("settings") or {}).get(k) != (b.get("settings") or {}).get(k))
+            sa, sb = _with_defaults(a.get("settings")) or {}, _with_defaults(b.get("settings")) or {}
+            fields = sorted(k for k in set(sa) | set(sb) if sa.get(k) != sb.get(k))
             if a.get("corpus_id") != b.get("corpus_id"):
                 fields.append("corpus")
             raise SystemExit(f"runs {a['variant']}-s{a['seed']} and {b['variant']}-s{b['seed']} are not comparable: "

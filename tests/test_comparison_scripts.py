@@ -148,3 +148,18 @@ def test_backend_agreement_reference_and_triton_train_to_the_same_bits(corpus, t
     cfg = json.loads((out / "triton" / "config.json").read_text())
     (out / "triton" / "config.json").write_text(json.dumps(dict(cfg, seed=cfg["seed"] + 1)))
     assert ba.main([*common, "--report-only"]) == 2
+
+
+def test_ablation_settings_missing_a_later_field_compare_at_its_default():
+    """A run recorded before a TrainConfig field existed compares with new runs whose value is
+    the field's default, and not with runs that set it otherwise."""
+    ab = load("ablation")
+    from adahop.train.trainer import TrainConfig
+
+    new = ab.comparable_settings(TrainConfig())
+    old = {k: v for k, v in new.items() if k != "quantized_all_gather"}
+    run = {"variant": "bf16", "seed": 0, "corpus_id": "c"}
+    ab.check_comparable([{**run, "settings": old}, {**run, "variant": "lv2", "settings": new}])
+    changed = {**new, "quantized_all_gather": True}
+    with pytest.raises(SystemExit, match="differ in quantized_all_gather"):
+        ab.check_comparable([{**run, "settings": old}, {**run, "variant": "lv2", "settings": changed}])
