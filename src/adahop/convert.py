@@ -6,6 +6,19 @@ head (the LM head, embeddings, norms and attention's own matmuls stay in high pr
 docs/method.md, 'The three GEMMs of a linear layer'). The LM head is recognised as a Linear whose
 weight is tied to an ``nn.Embedding`` or whose name ends in ``lm_head``, ``output`` or ``head``;
 pass ``module_filter_fn`` to decide yourself.
+
+The size rule. Converting a layer costs the quantization of X [T, K], W [N, K] and G [T, N]
+(memory-bound: work in T*K + N*K + T*N) and saves part of the three GEMMs' time (compute-bound:
+work in T*N*K). The saving over the cost goes as 1 / (1/N + 1/K + 1/T): for the tokens of a
+training step (T in the tens of thousands) it is set by the layer's smaller dim. So a layer
+is left in BF16 when ``min(in_features, out_features) < min_features``, the torchao float8
+filter's idea (it leaves small layers in BF16 where float8 is slower) in one number.
+``size_filter(min_features)`` is the rule alone; ``default_module_filter(model, min_features=...)``
+is it with the LM-head rule; ``MIN_FEATURES`` is the default (0: every layer but the LM head).
+benchmarks/bench_linear.py's section ``sizes`` measures, per (out_features, in_features), whether
+an AdaHOPLinear forward + backward is faster than BF16's: the threshold comes from there, and
+holds for the tokens per step it was measured at. ``bf16_linears(model)`` lists, after the
+conversion, the ``nn.Linear`` layers left in BF16 and why.
 """
 
 from __future__ import annotations
@@ -18,18 +31,65 @@ from adahop.config import AdaHOPConfig
 from adahop.linear import AdaHOPLinear
 
 LM_HEAD_NAMES = ("lm_head", "output", "head")
+# The smallest min(in_features, out_features) converted by default; 0 converts every size.
+MIN_FEATURES = 0
 
 
-def default_module_filter(model: nn.Module) -> Callable[[nn.Module, str], bool]:
-    """Convert every nn.Linear but the LM head (see the module doc)."""
-    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+def check_min_features(min_features) -> int:
+    """``min_features``: an int >= 0 (a bool is refused: it is an int to Python, not a size)."""
+    if isinstance(min_features, bool) or not isinstance(min_features, int) or min_features < 0:
+        raise ValueError(f"min_features must be an int >= 0 (0 converts every size), got {min_features!r}")
+    return min_features
+
+
+def size_filter(min_features: int) -> Callable[[nn.Module, str], bool]:
+    """The size rule alone as a ``module_filter_fn``: accept a Linear whose smaller dim,
+    ``min(in_features, out_features)``, is at least ``min_features`` (see the module doc)."""
+    check_min_features(min_features)
 
     def keep(mod: nn.Module, fqn: str) -> bool:
-        if fqn.rsplit(".", 1)[-1] in LM_HEAD_NAMES:
-            return False
-        return id(mod.weight) not in embedding_weights
+        return min(mod.in_features, mod.out_features) >= min_features
 
     return keep
+
+
+def _bf16_reason(mod: nn.Module, fqn: str, embedding_weights: set[int], min_features: int) -> str | None:
+    """Why the default filter leaves ``mod`` in BF16, or None when it converts it."""
+    if fqn.rsplit(".", 1)[-1] in LM_HEAD_NAMES:
+        return f"LM head (name ends in {fqn.rsplit('.', 1)[-1]!r})"
+    if id(mod.weight) in embedding_weights:
+        return "LM head (weight tied to an nn.Embedding)"
+    smaller = min(mod.in_features, mod.out_features)
+    if smaller < min_features:
+        return f"size: min(in_features, out_features) = {smaller} < min_features = {min_features}"
+    return None
+
+
+def _embedding_weights(model: nn.Module) -> set[int]:
+    return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+
+
+def default_module_filter(model: nn.Module, *, min_features: int = MIN_FEATURES) -> Callable[[nn.Module, str], bool]:
+    """Convert every nn.Linear but the LM head and those whose ``min(in_features,
+    out_features)`` is below ``min_features`` (default ``MIN_FEATURES``; see the module doc)."""
+    check_min_features(min_features)
+    embedding_weights = _embedding_weights(model)
+
+    def keep(mod: nn.Module, fqn: str) -> bool:
+        return _bf16_reason(mod, fqn, embedding_weights, min_features) is None
+
+    return keep
+
+
+def bf16_linears(model: nn.Module, *, min_features: int = MIN_FEATURES) -> dict[str, str]:
+    """The ``nn.Linear`` layers of a converted ``model`` left in BF16, by qualified name, each
+    with why: the LM-head rule, the size rule at ``min_features`` (pass the value the conversion
+    used), or, for a layer both rules accept, the ``module_filter_fn`` the conversion was given.
+    (Before the conversion every Linear is listed.)"""
+    check_min_features(min_features)
+    embedding_weights = _embedding_weights(model)
+    return {fqn: _bf16_reason(mod, fqn, embedding_weights, min_features) or "refused by the module_filter_fn given"
+            for fqn, mod in model.named_modules() if type(mod) is nn.Linear}
 
 
 def convert_to_adahop_training(
