@@ -2,6 +2,7 @@
 
     python benchmarks/bench_linear.py [--sections linear,memory] [--recipes ...] [--shapes all]
         [--pairs 3] [--grads fresh] [--rep 100] [--no-emulation] [--out FILE]
+    python benchmarks/bench_linear.py --sections sizes [--size-grid 256,...,8192] [--size-tokens 32768]
 
 Sections:
   linear:  AdaHOPLinear (hopper_fp8 backend) forward + backward per recipe against BF16
@@ -20,6 +21,14 @@ Sections:
            eager: what removing the host's share would give. A timing probe only: the SR keys
            are Python ints baked into the capture, so every replay repeats one call's draws.
   memory:  bytes autograd saves for the backward per recipe against BF16, at (14336, 4096).
+  sizes:   where MXFP4 pays: adahop_lv2 (fprop IHT, dgrad IHT, wgrad IHT+OE-right, the modes a
+           trained layer runs) and the naive mxfp4 recipe, both hopper_fp8, paired against BF16
+           ``nn.Linear`` for every (out_features, in_features) of --size-grid at --size-tokens
+           tokens (32768: a 125M step of 64 x 512), eager like BF16 (no compile, no graphs).
+           Prints each shape's ratios, which shapes pay (> 1.0x), and the smallest
+           min(in, out) from which every shape pays: what adahop.convert.MIN_FEATURES (the
+           size rule of convert_to_adahop_training) is set from. --pairs 2, --rep 50 unless given
+           (81 shapes, about a minute on an H200).
 
 The adaptive recipes run with the modes a calibrated layer typically gets (activations
 col-wise, gradients row-wise: fprop IHT, dgrad IHT+OE-left, wgrad IHT+OE-right). Operands are
@@ -52,7 +61,7 @@ from common import (
 
 import adahop
 
-SECTIONS = ("linear", "torchao", "profile", "graph", "memory")
+SECTIONS = ("linear", "torchao", "profile", "graph", "memory", "sizes")
 DEFAULT_SECTIONS = ("linear", "memory")
 DEFAULT_RECIPES = ("mxfp4", "mxfp4_iht", "tseng", "adahop_lv2", "adahop_lv1")
 BACKEND = "hopper_fp8"
@@ -67,6 +76,16 @@ ADAHOP_MODES = {"fprop": "iht", "dgrad": "iht+oe_left", "wgrad": "iht+oe_right"}
 # pays autograd's adds into them. At (14336, 4096) on the H200 that is 0.32 ms of adahop_lv2's
 # time and 0.18 ms of BF16's, whose bf16 weight gradient autograd casts to float32 either way.
 GRADS = "fresh"
+# sizes: the dims of the grid (every (out, in) pair of them), the tokens per GEMM, the modes
+SIZE_GRID = (256, 512, 768, 1024, 1536, 2048, 3072, 4096, 8192)
+SIZE_TOKENS = 32768  # a 125M training step: 64 sequences of 512
+SIZE_MODES = {"fprop": "iht", "dgrad": "iht", "wgrad": "iht+oe_right"}
+SIZE_VARIANTS = ("adahop_lv2", "mxfp4")
+# the section's timing budget where --pairs / --rep are not given: 81 shapes x 2 variants x
+# 2 pairs x 2 timings of about 75 ms each (do_bench's 25 ms warm-up + 50 ms) is about a minute
+SIZE_PAIRS, SIZE_REP = 2, 50
+# per section where --pairs / --rep are not given
+DEFAULT_PAIRS, DEFAULT_REP = 3, 100
 
 
 def make_layer(recipe, N, K, backend, modes=None):
@@ -273,18 +292,83 @@ def section_memory(recipes) -> list[dict]:
             for recipe, v in saved.items()]
 
 
+# ---- sizes: which layer sizes MXFP4 pays for ---------------------------------------------------------------
+def section_sizes(grid=SIZE_GRID, tokens=SIZE_TOKENS, pairs=SIZE_PAIRS, rep=SIZE_REP) -> list[dict]:
+    """One row per (N, K) = (out_features, in_features) of ``grid`` x ``grid``: each of
+    ``SIZE_VARIANTS`` paired against BF16 (``paired_speedup``) at ``tokens`` tokens; then one
+    ``summary`` row per variant (``size_threshold``). Prints the table (``sizes_table``)."""
+    rows = []
+    for N in grid:
+        for K in grid:
+            x, g = activation((tokens, K)).requires_grad_(), activation((tokens, N), seed=5)
+            base_fn = fwd_bwd_fn(make_layer("bf16_nn", N, K, None), x, g)
+            row = {"shape": (N, K), "tokens": tokens, "grads": GRADS, "pairs": pairs, "rep_ms": rep,
+                   "modes": {"adahop_lv2": SIZE_MODES}, "speedup_vs_bf16": {}, "times_ms": {}}
+            for name in SIZE_VARIANTS:
+                layer = make_layer(name, N, K, BACKEND, modes=SIZE_MODES if name == "adahop_lv2" else None)
+                ratio, t_base, t = paired_speedup(base_fn, fwd_bwd_fn(layer, x, g), pairs, rep=rep)
+                row["speedup_vs_bf16"][name] = ratio
+                row["times_ms"][name] = {"bf16": t_base, name: t}
+            row["bf16_ms"] = statistics.median(t for d in row["times_ms"].values() for t in d["bf16"])
+            rows.append(row)
+            print(f"  sizes ({N}, {K}):", {k: round(v, 3) for k, v in row["speedup_vs_bf16"].items()}, flush=True)
+            del x, g, base_fn
+    summary = [{"summary": name, "tokens": tokens, **size_threshold(rows, name)} for name in SIZE_VARIANTS]
+    print(sizes_table(rows, summary), flush=True)
+    return rows + summary
+
+
+def size_threshold(rows: list[dict], variant: str) -> dict:
+    """The size rule that ``rows`` (section sizes) decide for ``variant``: ``min_features``, the
+    smallest min(N, K) of the grid from which every shape is faster than BF16 (None when even
+    the largest are not), with the paying shapes it leaves in BF16 (``paying_left_in_bf16``)
+    and every shape that pays. The rule itself is adahop.convert's: convert when min(N, K) >=
+    min_features; any value in (the grid's next smaller dim, min_features] splits this grid alike."""
+    pays = {tuple(r["shape"]): r["speedup_vs_bf16"][variant] > 1.0 for r in rows}
+    dims = sorted({min(s) for s in pays})
+    threshold = next((d for d in dims if all(p for s, p in pays.items() if min(s) >= d)), None)
+    left = sorted(s for s, p in pays.items() if p and (threshold is None or min(s) < threshold))
+    return {"min_features": threshold, "paying_left_in_bf16": left, "paying": sorted(s for s, p in pays.items() if p),
+            "shapes": len(pays)}
+
+
+def sizes_table(rows: list[dict], summary: list[dict]) -> str:
+    """Markdown: one line per shape (out, in, min, each variant's speed over BF16, which pay),
+    then each variant's threshold."""
+    names = list(SIZE_VARIANTS)
+    lines = ["| out (N) | in (K) | min | bf16 ms | " + " | ".join(f"{n}/bf16" for n in names) + " | pays |",
+             "|---:|---:|---:|---:|" + "---:|" * len(names) + "---|"]
+    for r in sorted(rows, key=lambda r: (min(r["shape"]), tuple(r["shape"]))):
+        N, K = r["shape"]
+        ratios = r["speedup_vs_bf16"]
+        paying = ", ".join(n for n in names if ratios[n] > 1.0) or "-"
+        lines.append(f"| {N} | {K} | {min(N, K)} | {r['bf16_ms']:.3f} | "
+                     + " | ".join(f"{ratios[n]:.2f}x" for n in names) + f" | {paying} |")
+    for s in summary:
+        t = s["min_features"]
+        rule = (f"min_features = {t}: every shape with min(in, out) >= {t} pays" if t is not None
+                else "no threshold: some of the largest shapes do not pay")
+        lines.append(f"{s['summary']}: {len(s['paying'])}/{s['shapes']} shapes pay; {rule}; "
+                     f"{len(s['paying_left_in_bf16'])} paying shapes below it")
+    return "\n".join(lines)
+
+
 def run_section(name: str, args) -> list[dict]:
+    if name == "sizes":
+        return section_sizes(args.size_grid, args.size_tokens,
+                             pairs=args.pairs or SIZE_PAIRS, rep=args.rep or SIZE_REP)
+    pairs, rep = args.pairs or DEFAULT_PAIRS, args.rep or DEFAULT_REP
     if name == "linear":
         return section_linear(args.recipes, args.shapes, with_reference=not args.no_emulation, with_torchao=False,
-                              pairs=args.pairs, rep=args.rep, modes_from=args.modes_from)
+                              pairs=pairs, rep=rep, modes_from=args.modes_from)
     if name == "torchao":  # the AdaHOP recipes again in the same rows: one BF16 baseline for all
         return section_linear(args.recipes, [SINGLE_SHAPE], with_reference=False, with_torchao=True,
-                              pairs=args.pairs, rep=args.rep)
+                              pairs=pairs, rep=rep)
     if name == "profile":
         return [row for shape in ([SINGLE_SHAPE] if args.shapes_given == "all" else args.shapes)
                 for row in section_profile(shape)]
     if name == "graph":
-        return section_graph(args.recipes, args.shapes, rep=args.rep)
+        return section_graph(args.recipes, args.shapes, rep=rep)
     if name == "memory":
         return section_memory(list(adahop.RECIPES))
     raise ValueError(f"unknown section {name!r}")
@@ -299,18 +383,24 @@ def parse_args(argv=None):
                    help="comma-separated AdaHOP recipes for linear, torchao and graph (default: %(default)s)")
     p.add_argument("--shapes", default="all",
                    help=f"layers (N,K) for linear and graph (and profile, when given): {SHAPES_HELP}")
-    p.add_argument("--pairs", type=int, default=3,
-                   help="alternating BF16 / recipe timings per ratio in linear and torchao (default: %(default)s)")
+    p.add_argument("--pairs", type=int, default=None,
+                   help=f"alternating BF16 / recipe timings per ratio in linear, torchao and sizes "
+                        f"(default: {DEFAULT_PAIRS}; sizes {SIZE_PAIRS})")
     p.add_argument("--grads", choices=("fresh", "accumulate"), default="fresh",
                    help="x.grad and the weight's .grad dropped before each timed backward (fresh, as after "
                         "zero_grad) or kept and added to (accumulate) (default: %(default)s)")
-    p.add_argument("--rep", type=int, default=100,
-                   help="do_bench's time budget per timing, ms, in linear, torchao and graph (the reference "
-                        "emulation gets 3/5 of it) (default: %(default)s)")
+    p.add_argument("--rep", type=int, default=None,
+                   help=f"do_bench's time budget per timing, ms, in linear, torchao, graph and sizes (the "
+                        f"reference emulation gets 3/5 of it) (default: {DEFAULT_REP}; sizes {SIZE_REP})")
     p.add_argument("--no-emulation", action="store_true", help="skip the reference-backend timing in linear")
     p.add_argument("--modes-from", default=None, metavar="MODES_JSON",
                    help="a trained run's modes.json: linear also times each distinct mode triple it holds "
                         "(what a calibrated model runs), beside --recipes")
+    p.add_argument("--size-grid", default=",".join(map(str, SIZE_GRID)),
+                   help="sizes: comma-separated dims; every (out_features, in_features) pair of them is timed "
+                        "(default: %(default)s)")
+    p.add_argument("--size-tokens", type=int, default=SIZE_TOKENS,
+                   help="sizes: tokens T per GEMM (default: %(default)s, a 125M step of 64 x 512)")
     add_out_arg(p, "bench_linear")
     args = p.parse_args(argv)
     args.shapes_given = args.shapes
@@ -319,8 +409,14 @@ def parse_args(argv=None):
     if unknown or not args.recipes:
         p.error(f"--recipes takes AdaHOP recipes of {','.join(r for r in adahop.RECIPES if r != 'bf16')}, "
                 f"got {unknown or args.recipes}")
-    if args.pairs < 1 or args.rep < 1:
+    if (args.pairs is not None and args.pairs < 1) or (args.rep is not None and args.rep < 1):
         p.error("--pairs and --rep must be >= 1")
+    try:
+        args.size_grid = tuple(int(d) for d in args.size_grid.split(","))
+    except ValueError:
+        args.size_grid = ()
+    if not args.size_grid or min(args.size_grid) < 1 or args.size_tokens < 1:
+        p.error("--size-grid takes comma-separated dims >= 1 (e.g. 256,1024,4096) and --size-tokens an int >= 1")
     if args.modes_from:
         try:
             trained_modes(args.modes_from)

@@ -200,6 +200,22 @@ def test_bench_linear_times_the_modes_a_trained_run_holds(on_cpu, tmp_path, monk
 
 
 @needs_interpreter
+@CLAMPED_OE
+def test_bench_linear_sizes_on_cpu(on_cpu, tmp_path, capsys):
+    """sizes: every (out, in) pair of the grid timed for real (one call each here), then one
+    summary row per variant and the table; the grid and table logic: tests/test_layer_filter.py."""
+    out = tmp_path / "sizes.jsonl"
+    assert script("bench_linear").main(["--sections", "sizes", "--size-grid", "64,96", "--size-tokens", "64",
+                                        "--pairs", "1", "--rep", "50", "--out", str(out)]) == 0
+    rows = rows_of(out)
+    assert [r.get("shape") or r["summary"] for r in rows] == [[64, 64], [64, 96], [96, 64], [96, 96],
+                                                              "adahop_lv2", "mxfp4"]
+    assert all(r["section"] == "sizes" and r["env"]["torch"] == torch.__version__ for r in rows)
+    assert rows[0]["modes"]["adahop_lv2"] == {"fprop": "iht", "dgrad": "iht", "wgrad": "iht+oe_right"}
+    assert "| 96 | 64 | 64 |" in capsys.readouterr().out
+
+
+@needs_interpreter
 def test_bench_kernels_sections_on_cpu(on_cpu, tmp_path, monkeypatch):
     bk = script("bench_kernels")
     monkeypatch.setattr(bk, "COPY_BYTES", 4096)

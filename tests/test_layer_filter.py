@@ -101,3 +101,50 @@ def test_bad_thresholds_are_one_line_value_errors(bad):
         with pytest.raises(ValueError, match=r"^min_features must be an int >= 0") as e:
             make()
         assert "\n" not in str(e.value)
+
+
+# ---- benchmarks/bench_linear.py, section sizes: the grid and the table with a fake timer ---------------------
+def test_bench_linear_sizes_grid_and_table(monkeypatch, capsys):
+    """The section's shape list (every (out, in) pair of the grid, each variant paired once
+    against BF16) and what it decides: a fake timer makes every shape with min(N, K) >= 128 pay,
+    and (64, 256) too, for adahop_lv2; mxfp4 pays nowhere. (The layers are built on the CPU, the
+    timed functions never called; tests/test_benchmarks.py runs them under the interpreter.)"""
+    from pathlib import Path
+
+    bench_dir = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    monkeypatch.syspath_prepend(bench_dir)
+    import bench_linear as bl
+    import common
+
+    grid = (32, 64, 128, 256)
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    expected = [(n, k, v) for n in grid for k in grid for v in bl.SIZE_VARIANTS]
+    calls = []
+
+    def fake_paired(base_fn, fn, pairs, rep):
+        n, k, v = expected[len(calls)]
+        calls.append((n, k, v, pairs, rep))
+        pays = v == "adahop_lv2" and (min(n, k) >= 128 or (n, k) == (64, 256))
+        return (1.25 if pays else 0.8), [2.0] * pairs, [1.0] * pairs
+
+    monkeypatch.setattr(bl, "paired_speedup", fake_paired)
+    rows = bl.section_sizes(grid, tokens=8, pairs=2, rep=50)
+    assert len(calls) == len(expected) and all(c[3:] == (2, 50) for c in calls)
+    shapes, summary = rows[:-2], rows[-2:]
+    assert [tuple(r["shape"]) for r in shapes] == [(n, k) for n in grid for k in grid]
+    assert all(r["tokens"] == 8 and r["bf16_ms"] == 2.0 and set(r["speedup_vs_bf16"]) == set(bl.SIZE_VARIANTS)
+               for r in shapes)
+    lv2, mx = summary
+    assert lv2["summary"] == "adahop_lv2" and lv2["min_features"] == 128 and lv2["paying_left_in_bf16"] == [(64, 256)]
+    assert len(lv2["paying"]) == 5 and lv2["shapes"] == 16
+    assert mx["min_features"] is None and mx["paying"] == []
+    table = capsys.readouterr().out
+    assert "| 64 | 256 | 64 | 2.000 | 1.25x | 0.80x | adahop_lv2 |" in table
+    assert "| 32 | 32 | 32 | 2.000 | 0.80x | 0.80x | - |" in table
+    assert "adahop_lv2: 5/16 shapes pay; min_features = 128: every shape with min(in, out) >= 128 pays; " \
+           "1 paying shapes below it" in table
+    assert "mxfp4: 0/16 shapes pay; no threshold" in table
+    # the threshold the table gives is the convert rule's: it converts exactly the shapes >= 128
+    keep = C.size_filter(lv2["min_features"])
+    assert [s for s in [tuple(r["shape"]) for r in shapes] if keep(nn.Linear(s[1], s[0]), "x")] == [
+        s for s in lv2["paying"] if s != (64, 256)]
