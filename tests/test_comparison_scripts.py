@@ -128,11 +128,14 @@ def test_backend_agreement_reference_and_triton_train_to_the_same_bits(corpus, t
     """The issue's "a converted model gives the same loss curve on both backends", on the CPU:
     the Triton quantize kernels equal the reference bit for bit and the triton backend's GEMM
     is the reference's, so every loss and the held-out loss are equal exactly. (One calibration
-    step, then two MXFP4 steps: the second one's weights come from MXFP4 gradients.)"""
+    step, then two MXFP4 steps: the second one's weights come from MXFP4 gradients.) One
+    sequence of 32 tokens a step: bit-equality does not depend on the size, and 32 tokens are
+    still one whole MXFP4 block along the weight gradient's K; the interpreted kernels' time
+    grows with the tokens."""
     ba = load("backend_agreement")
     out = tmp_path / "agree"
     common = ["--corpus", str(corpus), "--out", str(out), "--backends", "reference", "triton"]
-    assert ba.main([*common, "--preset", "debug", "--steps", "3", "--calibration-steps", "1", "--batch-size", "2",
+    assert ba.main([*common, "--preset", "debug", "--steps", "3", "--calibration-steps", "1", "--batch-size", "1",
                     "--seq-len", "32", "--device", "cpu"]) == 0
     res = json.loads((out / "agreement.json").read_text())
     assert res["same_modes"]
