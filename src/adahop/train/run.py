@@ -10,22 +10,42 @@ build the same run without going through the command line::
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
 
 from adahop.train.data import Corpus, TokenBatches
 from adahop.train.model import Llama, LlamaConfig
+from adahop.train.pretrained import INIT_SCRATCH, load_init
 from adahop.train.trainer import TrainConfig
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, *, max_seq_len: int | None = None) -> Llama:
-    """The (unconverted) Llama of ``cfg.model_size``, initialised from ``cfg.seed``.
-    ``max_seq_len`` (default: the training length) only sizes the RoPE tables, which are not in
-    the checkpoint, so a longer one can score longer evaluation items."""
-    model_cfg = LlamaConfig.from_size(cfg.model_size, vocab_size=vocab_size, max_seq_len=max_seq_len or cfg.seq_len)
+    """The (unconverted, float32) Llama a run starts from. With ``cfg.init == "scratch"``: the
+    model of ``cfg.model_size``, initialised from ``cfg.seed``; otherwise the pretrained model
+    ``cfg.init`` names (``pretrained.load_init``; ``model_size`` is ignored), whose vocabulary must
+    be the corpus's ``vocab_size``. ``max_seq_len`` (default: the training length) only sizes the
+    RoPE tables, which are not in the checkpoint, so a longer one can score longer evaluation
+    items. A resumed run still builds this model first: ``train`` then loads the checkpoint's
+    weights over it."""
+    max_seq_len = max_seq_len or cfg.seq_len
+    if cfg.init != INIT_SCRATCH:
+        model = load_init(cfg.init, max_seq_len=max_seq_len)
+        if model.config.vocab_size != vocab_size:
+            hint = " (build the corpus with --tokenizer smollm2)" if cfg.init == "smollm2" else ""
+            raise ValueError(f"the corpus's vocabulary ({vocab_size}) is not the model's ({model.config.vocab_size}, "
+                             f"init {cfg.init!r}): a pretrained model needs a corpus in its own tokenizer{hint}")
+        return model
+    model_cfg = LlamaConfig.from_size(cfg.model_size, vocab_size=vocab_size, max_seq_len=max_seq_len)
     torch.manual_seed(cfg.seed)
     return Llama(model_cfg)
+
+
+def architecture(model: Llama) -> dict:
+    """What a run records of the model it trains (``config.json``'s ``extra["model"]``): its
+    architecture and its parameter count (``open_run`` adds where its weights started)."""
+    return {**dataclasses.asdict(model.config), "params": model.config.num_params()}
 
 
 def train_batches(cfg: TrainConfig, corpus: Corpus) -> TokenBatches:
@@ -34,8 +54,12 @@ def train_batches(cfg: TrainConfig, corpus: Corpus) -> TokenBatches:
 
 
 def open_run(cfg: TrainConfig, corpus: Corpus, *, max_seq_len: int | None = None) -> tuple[Llama, TokenBatches]:
-    """``build_model`` and ``train_batches`` together: what ``train`` is given."""
-    return build_model(cfg, corpus.vocab_size, max_seq_len=max_seq_len), train_batches(cfg, corpus)
+    """``build_model`` and ``train_batches`` together: what ``train`` is given. The model's
+    architecture goes into ``cfg.extra["model"]`` (so into the run's ``config.json``): with a
+    pretrained init it is the loaded model's, not ``model_size``'s."""
+    model = build_model(cfg, corpus.vocab_size, max_seq_len=max_seq_len)
+    cfg.extra["model"] = {"init": cfg.init, **architecture(model)}
+    return model, train_batches(cfg, corpus)
 
 
 def heldout_eval(model, corpus: Corpus, *, seq_len: int, batch_size: int, max_batches: int) -> dict:

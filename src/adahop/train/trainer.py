@@ -49,6 +49,7 @@ from adahop.train.precision import (
     phase_switch_step,
     validate_schedule,
 )
+from adahop.train.pretrained import check_init
 from adahop.train.run_folder import RunLock, ensure_writable_dir
 from adahop.train.run_log import LOG_NAME, JsonlLog
 
@@ -61,7 +62,10 @@ class TrainConfig:
 
     # what
     adahop: AdaHOPConfig = field(default_factory=AdaHOPConfig)
-    model_size: str = "tiny"  # train.model SIZES
+    model_size: str = "tiny"  # train.model SIZES; ignored with a pretrained init (its own architecture)
+    # the starting weights (train/pretrained.py): "scratch" (random, of model_size), "smollm2", a
+    # .gguf file or a Hugging Face Llama folder; train.run.open_run loads them
+    init: str = "scratch"
     corpus_dir: str = "runs/corpus"
     out_dir: str = "runs/debug"
     # how long, how big
@@ -162,6 +166,7 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
                 raise ValueError(f"{name} must be a finite number {allowed}, got {v!r}")
+        check_init(self.init)
         if self.compile not in COMPILE_CHOICES:
             raise ValueError(f"compile must be one of {COMPILE_CHOICES}, got {self.compile!r}")
         if not isinstance(self.cudagraphs, bool):
@@ -287,6 +292,8 @@ class StopTraining(Exception):  # noqa: N818  (a signal, not an error)
 # their GEMMs differ only in accumulation order.)
 # (``parallel`` may change between ddp and fsdp2: their sharded checkpoints are the same format.)
 # (``quantized_all_gather`` may change: it gathers the operand the layer would quantize, bit for bit.)
+# (``init`` may not: it names what the run's weights started from. A resumed run's weights are
+# the checkpoint's, loaded over the freshly loaded pretrained ones.)
 RESUMABLE_CHANGES = ("out_dir", "corpus_dir", "device", "compile", "cudagraphs", "progress", "log_every", "sync_every",
                      "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "extra", "parallel",
                      "drift_batches", "quantized_all_gather")
