@@ -292,7 +292,8 @@ def build_corpus(
     # split, train the tokenizer on the training documents of all sources
     splits = {n: dict(zip(SPLITS, split_documents(n, docs_by_source[n], val_fraction))) for n in names}
     train_texts = [d.text for n in names for d in splits[n]["train"]]
-    rep.log(f"training tokenizer {spec} on {len(train_texts)} training documents")
+    rep.log(f"training tokenizer {spec} on {len(train_texts)} training documents" if kind == "bpe"
+            else f"tokenizer {spec}: fixed, nothing to train")
     t0 = time.perf_counter()
     tok = train_tokenizer(spec, train_texts, show_progress=False, length=len(train_texts), cache_dir=cache_dir,
                           log=rep.log)
