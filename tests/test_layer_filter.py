@@ -1,7 +1,10 @@
 """The size rule of adahop.convert (which nn.Linear layers stay in BF16 for being too small), its
-composition with the LM-head rule, ``bf16_linears``, and the refusal of bad thresholds."""
+composition with the LM-head rule, ``bf16_linears``, the refusal of bad thresholds, and the rule
+in `adahop train` / `adahop eval` (`--min-features`)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from torch import nn
@@ -148,3 +151,29 @@ def test_bench_linear_sizes_grid_and_table(monkeypatch, capsys):
     keep = C.size_filter(lv2["min_features"])
     assert [s for s in [tuple(r["shape"]) for r in shapes] if keep(nn.Linear(s[1], s[0]), "x")] == [
         s for s in lv2["paying"] if s != (64, 256)]
+
+
+def test_train_and_eval_keep_the_size_rule(tmp_path, capsys):
+    """``adahop train --min-features N`` leaves the small linears in BF16 (and says so), records
+    N, and ``adahop eval`` rebuilds the run with the same conversion; a bad N is one line."""
+    from adahop import cli
+    from adahop.train import data as D
+    from adahop.train import sources as S
+
+    corpus = tmp_path / "corpus"
+    D.build_corpus(corpus, sources=[S.cpython_stdlib_source(modules=("json", "textwrap"), name="mini")],
+                   tokenizer="byte", progress=False)
+    run = tmp_path / "run"
+    args = ["train", "--preset", "debug", "--recipe", "mxfp4", "--corpus", str(corpus), "--out", str(run),
+            "--steps", "2", "--seq-len", "32", "--no-progress"]
+    # the tiny model: dim 64, 2 KV heads of 16 (wk, wv: 64 -> 32), FFN 192
+    assert cli.main([*args, "--min-features", "64"]) == 0
+    assert "4 linear layers stay BF16 by the size rule (min(in, out) < 64)" in capsys.readouterr().err
+    assert json.loads((run / "config.json").read_text())["min_features"] == 64
+    modes = json.loads((run / "modes.json").read_text())
+    assert modes and not any(".wk" in n or ".wv" in n for n in modes)
+    assert any(".wq" in n for n in modes) and any(".w1" in n for n in modes)
+    assert cli.main(["eval", "--run", str(run), "--tasks", "--heldout-batches", "2"]) == 0
+    assert cli.main([*args[:-1], "--out", str(tmp_path / "bad"), "--min-features", "-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("min_features must be an int >= 0 (0 converts every size), got -1")

@@ -59,7 +59,7 @@ def train_config(args):
                  oscillation_dampening=args.oscillation_dampening,
                  backend=args.backend, progress=not args.no_progress, compile=args.compile,
                  cudagraphs=args.cudagraphs or None,
-                 bf16_blocks=args.bf16_blocks,
+                 bf16_blocks=args.bf16_blocks, min_features=args.min_features,
                  bf16_phase_start=args.bf16_phase[0] if args.bf16_phase else None,
                  bf16_phase_gemms=args.bf16_phase[1] if args.bf16_phase else None, parallel=args.parallel,
                  quantized_all_gather=args.quantized_all_gather or None, drift=args.drift)
@@ -127,6 +127,7 @@ def run_eval(args) -> dict:
     from adahop.train.checkpoint import latest_checkpoint, load_training_checkpoint
     from adahop.train.data import load_corpus
     from adahop.train.evaluate import evaluate_tasks
+    from adahop.train.precision import block_filter
     from adahop.train.run import heldout_eval, open_run
     from adahop.train.tasks import task_spec
     from adahop.train.trainer import TrainConfig, resolve_device
@@ -146,7 +147,9 @@ def run_eval(args) -> dict:
     # eval.json records both lengths).
     eval_len = max(cfg.seq_len, EVAL_MAX_SEQ_LEN)
     model, _ = open_run(cfg, corpus, max_seq_len=eval_len)
-    adahop.convert_to_adahop_training(model, config=cfg.adahop)
+    # the run's own conversion: its BF16 blocks and size rule stay nn.Linear
+    adahop.convert_to_adahop_training(model, config=cfg.adahop,
+                                      module_filter_fn=block_filter(model, cfg.bf16_blocks, cfg.min_features))
     model.load_state_dict(state["model"])
     model.to(device)
     print(f"{run}: {found.name}; held-out loss over {args.heldout_batches} batches per source", file=sys.stderr)
@@ -384,6 +387,9 @@ def _add_train_args(p):
                         "keeps weights from flipping between FP4 values; default 0 (off)")
     g.add_argument("--bf16-blocks", type=_bf16_blocks, metavar="FIRST,LAST",
                    help="keep the linears of the first FIRST and the last LAST transformer blocks in BF16")
+    g.add_argument("--min-features", type=int, default=None, metavar="N",
+                   help="keep linears whose smaller dim, min(in_features, out_features), is below N in BF16 "
+                        "(default: adahop.convert.MIN_FEATURES; 0 converts every size)")
     g.add_argument("--bf16-phase", type=_bf16_phase, metavar="START[:GEMMS]",
                    help="after the fraction START of the steps, run GEMMS (comma-separated of fprop, dgrad, "
                         "wgrad; default all three) in BF16 to the end, e.g. 0.9:fprop")

@@ -25,7 +25,7 @@ import re
 
 from torch import nn
 
-from adahop.convert import adahop_layers, default_module_filter
+from adahop.convert import MIN_FEATURES, adahop_layers, default_module_filter
 from adahop.policy import GEMMS
 
 _BLOCK = re.compile(r"^layers\.(\d+)\.")
@@ -51,12 +51,12 @@ def check_bf16_phase(start, gemms) -> tuple[float | None, tuple[str, ...]]:
     return (None if start is None else float(start)), tuple(gemms)
 
 
-def block_filter(model: nn.Module, bf16_blocks: tuple[int, int]):
-    """The ``module_filter_fn`` that converts what the default filter converts, except the
-    linears of the first and last blocks ``bf16_blocks`` names. The blocks are the model's
-    ``layers`` (adahop's Llama; fqns ``layers.<i>.``)."""
+def block_filter(model: nn.Module, bf16_blocks: tuple[int, int], min_features: int = MIN_FEATURES):
+    """The ``module_filter_fn`` that converts what the default filter converts (at the size rule's
+    ``min_features``), except the linears of the first and last blocks ``bf16_blocks`` names. The
+    blocks are the model's ``layers`` (adahop's Llama; fqns ``layers.<i>.``)."""
     first, last = bf16_blocks
-    default = default_module_filter(model)
+    default = default_module_filter(model, min_features=min_features)
     if first == last == 0:
         return default
     blocks = getattr(model, "layers", None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -27,6 +28,7 @@ from torch import nn
 import adahop
 from adahop.atomic_io import atomic_write_bytes
 from adahop.config import AdaHOPConfig
+from adahop.convert import MIN_FEATURES, bf16_linears, check_min_features
 from adahop.train.checkpoint import (
     is_sharded,
     latest_checkpoint,
@@ -84,6 +86,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     # where and when the run leaves MXFP4 (train/precision.py)
     bf16_blocks: tuple[int, int] = (0, 0)  # the first and last blocks' linears stay BF16
+    # linears whose min(in_features, out_features) is below this stay BF16 (adahop.convert, 'the size rule')
+    min_features: int = MIN_FEATURES
     bf16_phase_start: float | None = None  # fraction of the steps after which bf16_phase_gemms run BF16
     bf16_phase_gemms: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
     # lambda of the oscillation-dampening term lambda * ||W - Q(W)||^2 (train/oscillation.py); 0: off
@@ -188,6 +192,7 @@ class TrainConfig:
         if self.autocast not in ("auto", "bf16", "none"):
             raise ValueError(f"autocast must be 'auto', 'bf16' or 'none', got {self.autocast!r}")
         check_bf16_blocks(self.bf16_blocks)
+        check_min_features(self.min_features)
         check_dampening(self.oscillation_dampening)
         if self.oscillation_dampening and self.parallel == "fsdp2":
             raise ValueError("oscillation_dampening reads whole weights: not with --parallel fsdp2 (use ddp)")
@@ -429,7 +434,11 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
 
     if not adahop.adahop_layers(model):
         adahop.convert_to_adahop_training(model, config=cfg.adahop,
-                                          module_filter_fn=block_filter(model, cfg.bf16_blocks))
+                                          module_filter_fn=block_filter(model, cfg.bf16_blocks, cfg.min_features))
+        by_size = [n for n, why in bf16_linears(model, min_features=cfg.min_features).items() if why.startswith("size")]
+        if by_size and par.is_main:
+            print(f"{len(by_size)} linear layers stay BF16 by the size rule (min(in, out) < {cfg.min_features}): "
+                  f"{', '.join(by_size[:4])}{', ...' if len(by_size) > 4 else ''}", file=sys.stderr)
     model.to(device).train()
     compile_mode = resolve_compile(cfg, device)
     if compile_mode == "model":
