@@ -21,6 +21,17 @@ def _single_thread():
 
 
 @pytest.fixture
+def no_network(monkeypatch):
+    """Any registry client call (a subprocess of the corpus sources) fails the test."""
+    from adahop.train import sources
+
+    def refuse(*a, **k):
+        raise AssertionError(f"tried to run {a[0] if a else k}")
+
+    monkeypatch.setattr(sources.subprocess, "run", refuse)
+
+
+@pytest.fixture
 def layer_on_backend(monkeypatch):
     """``run(backend, recipe, x, w, g, modes=None, oe_k=4)``: one AdaHOPLinear (weight ``w``, no
     bias) whose dispatch point returns ``backend``, forward on ``x`` and backward with ``g``;

@@ -33,13 +33,7 @@ def has_smollm2() -> bool:
 needs_smollm2 = pytest.mark.skipif(not has_smollm2(), reason=f"SmolLM2 is not installed ({P.SMOLLM2_INSTALL})")
 
 
-@pytest.fixture(autouse=True)
-def _no_network(monkeypatch):
-    """Any registry client call fails the test."""
-    def refuse(*a, **k):
-        raise AssertionError(f"tried to run {a[0] if a else k}")
-
-    monkeypatch.setattr(S.subprocess, "run", refuse)
+pytestmark = pytest.mark.usefixtures("no_network")
 
 
 @pytest.fixture(scope="module")
