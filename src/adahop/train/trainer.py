@@ -28,7 +28,7 @@ from torch import nn
 import adahop
 from adahop.atomic_io import atomic_write_bytes
 from adahop.config import AdaHOPConfig
-from adahop.convert import MIN_FEATURES, bf16_linears, check_min_features
+from adahop.convert import MIN_FEATURES, check_min_features
 from adahop.train.checkpoint import (
     is_sharded,
     latest_checkpoint,
@@ -435,7 +435,8 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
     if not adahop.adahop_layers(model):
         adahop.convert_to_adahop_training(model, config=cfg.adahop,
                                           module_filter_fn=block_filter(model, cfg.bf16_blocks, cfg.min_features))
-        by_size = [n for n, why in bf16_linears(model, min_features=cfg.min_features).items() if why.startswith("size")]
+        by_size = [n for n, m in model.named_modules()
+                   if type(m) is nn.Linear and min(m.in_features, m.out_features) < cfg.min_features]
         if by_size and par.is_main:
             print(f"{len(by_size)} linear layers stay BF16 by the size rule (min(in, out) < {cfg.min_features}): "
                   f"{', '.join(by_size[:4])}{', ...' if len(by_size) > 4 else ''}", file=sys.stderr)
