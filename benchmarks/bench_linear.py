@@ -18,17 +18,19 @@ Sections:
   profile: where the time of one adahop_lv2 layer goes (CUDA kernels, host enqueue, cProfile),
            at (14336, 4096) or each --shapes layer given.
   graph:   forward + backward captured in a CUDA graph and replayed, AdaHOP and BF16, against
-           eager: what removing the host's share would give. A timing probe only: the SR keys
-           are Python ints baked into the capture, so every replay repeats one call's draws.
+           eager: what removing the host's share would give (each replay advances the layer's
+           SR counter on the device, so it draws new bits, as a CUDA-graphed training step does).
   memory:  bytes autograd saves for the backward per recipe against BF16, at (14336, 4096).
   sizes:   where MXFP4 pays: adahop_lv2 (fprop IHT, dgrad IHT, wgrad IHT+OE-right, the modes a
            trained layer runs) and the naive mxfp4 recipe, both hopper_fp8, paired against BF16
            ``nn.Linear`` for every (out_features, in_features) of --size-grid at --size-tokens
-           tokens (32768: a 125M step of 64 x 512), eager like BF16 (no compile, no graphs).
-           Prints each shape's ratios, which shapes pay (> 1.0x), and the smallest
-           min(in, out) from which every shape pays: what adahop.convert.MIN_FEATURES (the
-           size rule of convert_to_adahop_training) is set from. --pairs 2, --rep 50 unless given
-           (81 shapes, about a minute on an H200).
+           tokens (32768: a 125M step of 64 x 512), each timed twice (--size-timing): eager like
+           BF16 (every launch from Python: what a compiled model without CUDA graphs pays, host
+           time included) and replayed from a CUDA graph (kernel time alone: what
+           ``adahop train --cudagraphs`` pays). Prints each shape's ratios, which shapes pay
+           (> 1.0x), and per timing the smallest min(in, out) from which every shape pays: what
+           adahop.convert.MIN_FEATURES (the size rule of convert_to_adahop_training) is set
+           from. --pairs 2, --rep 50 unless given (81 shapes, about two minutes on an H200).
 
 The adaptive recipes run with the modes a calibrated layer typically gets (activations
 col-wise, gradients row-wise: fprop IHT, dgrad IHT+OE-left, wgrad IHT+OE-right). Operands are
@@ -81,6 +83,7 @@ SIZE_GRID = (256, 512, 768, 1024, 1536, 2048, 3072, 4096, 8192)
 SIZE_TOKENS = 32768  # a 125M training step: 64 sequences of 512
 SIZE_MODES = {"fprop": "iht", "dgrad": "iht", "wgrad": "iht+oe_right"}
 SIZE_VARIANTS = ("adahop_lv2", "mxfp4")
+SIZE_TIMINGS = ("eager", "graph")
 # the section's timing budget where --pairs / --rep are not given: 81 shapes x 2 variants x
 # 2 pairs x 2 timings of about 75 ms each (do_bench's 25 ms warm-up + 50 ms) is about a minute
 SIZE_PAIRS, SIZE_REP = 2, 50
@@ -232,6 +235,21 @@ def section_profile(shape, recipe="adahop_lv2") -> list[dict]:
 
 
 # ---- graph: CUDA-graph replay against eager -------------------------------------------------------------
+def capture_graph(run, warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """``run`` captured in a CUDA graph, after ``warmup`` calls on a side stream (capture wants
+    its allocations and lazy initialisations done off the default stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
+
+
 def section_graph(recipes, shapes, rep=100) -> list[dict]:
     rows = []
     for N, K in shapes:
@@ -243,15 +261,7 @@ def section_graph(recipes, shapes, rep=100) -> list[dict]:
             if recipe != "bf16_nn":
                 row[f"{recipe}_eager_ms"] = bench(run, rep=rep)
             try:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
-                    for _ in range(3):
-                        run()
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    run()
+                graph = capture_graph(run)
                 row[f"{recipe}_graph_ms"] = bench(graph.replay, rep=rep)
                 del graph
             except Exception as e:
@@ -293,29 +303,51 @@ def section_memory(recipes) -> list[dict]:
 
 
 # ---- sizes: which layer sizes MXFP4 pays for ---------------------------------------------------------------
-def section_sizes(grid=SIZE_GRID, tokens=SIZE_TOKENS, pairs=SIZE_PAIRS, rep=SIZE_REP) -> list[dict]:
+def section_sizes(grid=SIZE_GRID, tokens=SIZE_TOKENS, pairs=SIZE_PAIRS, rep=SIZE_REP,
+                  timings=SIZE_TIMINGS) -> list[dict]:
     """One row per (N, K) = (out_features, in_features) of ``grid`` x ``grid``: each of
-    ``SIZE_VARIANTS`` paired against BF16 (``paired_speedup``) at ``tokens`` tokens; then one
-    ``summary`` row per variant (``size_threshold``). Prints the table (``sizes_table``)."""
+    ``SIZE_VARIANTS`` paired against BF16 (``paired_speedup``) at ``tokens`` tokens, under each of
+    ``timings`` ("eager": launched from Python; "graph": replayed from a CUDA graph, BF16 too),
+    keyed ``variant`` (eager) and ``variant/graph``; then one ``summary`` row per variant and
+    timing (``size_threshold``). Prints the table (``sizes_table``)."""
     rows = []
+    keys = size_keys(timings)
     for N in grid:
         for K in grid:
             x, g = activation((tokens, K)).requires_grad_(), activation((tokens, N), seed=5)
             base_fn = fwd_bwd_fn(make_layer("bf16_nn", N, K, None), x, g)
             row = {"shape": (N, K), "tokens": tokens, "grads": GRADS, "pairs": pairs, "rep_ms": rep,
                    "modes": {"adahop_lv2": SIZE_MODES}, "speedup_vs_bf16": {}, "times_ms": {}}
+            base_graph = capture_graph(base_fn) if "graph" in timings else None
             for name in SIZE_VARIANTS:
-                layer = make_layer(name, N, K, BACKEND, modes=SIZE_MODES if name == "adahop_lv2" else None)
-                ratio, t_base, t = paired_speedup(base_fn, fwd_bwd_fn(layer, x, g), pairs, rep=rep)
-                row["speedup_vs_bf16"][name] = ratio
-                row["times_ms"][name] = {"bf16": t_base, name: t}
-            row["bf16_ms"] = statistics.median(t for d in row["times_ms"].values() for t in d["bf16"])
+                fn = fwd_bwd_fn(make_layer(name, N, K, BACKEND, modes=SIZE_MODES if name == "adahop_lv2" else None),
+                                x, g)
+                for timing in timings:
+                    if timing == "graph":
+                        graph = capture_graph(fn)
+                        ratio, t_base, t = paired_speedup(base_graph.replay, graph.replay, pairs, rep=rep)
+                        del graph
+                    else:
+                        ratio, t_base, t = paired_speedup(base_fn, fn, pairs, rep=rep)
+                    key = size_key(name, timing)
+                    row["speedup_vs_bf16"][key] = ratio
+                    row["times_ms"][key] = {"bf16": t_base, name: t}
+            row["bf16_ms"] = statistics.median(t for k, d in row["times_ms"].items() if "/" not in k for t in d["bf16"])
             rows.append(row)
             print(f"  sizes ({N}, {K}):", {k: round(v, 3) for k, v in row["speedup_vs_bf16"].items()}, flush=True)
-            del x, g, base_fn
-    summary = [{"summary": name, "tokens": tokens, **size_threshold(rows, name)} for name in SIZE_VARIANTS]
-    print(sizes_table(rows, summary), flush=True)
+            del x, g, base_fn, base_graph
+    summary = [{"summary": key, "tokens": tokens, **size_threshold(rows, key)} for key in keys]
+    print(sizes_table(rows, summary, keys), flush=True)
     return rows + summary
+
+
+def size_key(variant: str, timing: str) -> str:
+    """The key of a (variant, timing) in a sizes row: ``adahop_lv2`` (eager), ``adahop_lv2/graph``."""
+    return variant if timing == "eager" else f"{variant}/{timing}"
+
+
+def size_keys(timings=SIZE_TIMINGS) -> list[str]:
+    return [size_key(name, timing) for name in SIZE_VARIANTS for timing in timings]
 
 
 def size_threshold(rows: list[dict], variant: str) -> dict:
@@ -332,11 +364,11 @@ def size_threshold(rows: list[dict], variant: str) -> dict:
             "shapes": len(pays)}
 
 
-def sizes_table(rows: list[dict], summary: list[dict]) -> str:
-    """Markdown: one line per shape (out, in, min, each variant's speed over BF16, which pay),
-    then each variant's threshold."""
-    names = list(SIZE_VARIANTS)
-    lines = ["| out (N) | in (K) | min | bf16 ms | " + " | ".join(f"{n}/bf16" for n in names) + " | pays |",
+def sizes_table(rows: list[dict], summary: list[dict], keys=None) -> str:
+    """Markdown: one line per shape (out, in, min, each variant's speed over BF16 per timing,
+    which pay), then each threshold."""
+    names = list(keys or size_keys())
+    lines = ["| out (N) | in (K) | min | bf16 ms | " + " | ".join(f"{n} vs bf16" for n in names) + " | pays |",
              "|---:|---:|---:|---:|" + "---:|" * len(names) + "---|"]
     for r in sorted(rows, key=lambda r: (min(r["shape"]), tuple(r["shape"]))):
         N, K = r["shape"]
@@ -356,7 +388,7 @@ def sizes_table(rows: list[dict], summary: list[dict]) -> str:
 def run_section(name: str, args) -> list[dict]:
     if name == "sizes":
         return section_sizes(args.size_grid, args.size_tokens,
-                             pairs=args.pairs or SIZE_PAIRS, rep=args.rep or SIZE_REP)
+                             pairs=args.pairs or SIZE_PAIRS, rep=args.rep or SIZE_REP, timings=args.size_timing)
     pairs, rep = args.pairs or DEFAULT_PAIRS, args.rep or DEFAULT_REP
     if name == "linear":
         return section_linear(args.recipes, args.shapes, with_reference=not args.no_emulation, with_torchao=False,
@@ -401,6 +433,9 @@ def parse_args(argv=None):
                         "(default: %(default)s)")
     p.add_argument("--size-tokens", type=int, default=SIZE_TOKENS,
                    help="sizes: tokens T per GEMM (default: %(default)s, a 125M step of 64 x 512)")
+    p.add_argument("--size-timing", default=",".join(SIZE_TIMINGS),
+                   help="sizes: comma-separated timings, eager (launched from Python) and/or graph (replayed from "
+                        "a CUDA graph) (default: %(default)s)")
     add_out_arg(p, "bench_linear")
     args = p.parse_args(argv)
     args.shapes_given = args.shapes
@@ -417,6 +452,9 @@ def parse_args(argv=None):
         args.size_grid = ()
     if not args.size_grid or min(args.size_grid) < 1 or args.size_tokens < 1:
         p.error("--size-grid takes comma-separated dims >= 1 (e.g. 256,1024,4096) and --size-tokens an int >= 1")
+    args.size_timing = tuple(t for t in args.size_timing.split(",") if t)
+    if not args.size_timing or not set(args.size_timing) <= set(SIZE_TIMINGS):
+        p.error(f"--size-timing takes comma-separated timings of {','.join(SIZE_TIMINGS)}, got {args.size_timing!r}")
     if args.modes_from:
         try:
             trained_modes(args.modes_from)

@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -201,15 +202,31 @@ def test_bench_linear_times_the_modes_a_trained_run_holds(on_cpu, tmp_path, monk
 
 @needs_interpreter
 @CLAMPED_OE
-def test_bench_linear_sizes_on_cpu(on_cpu, tmp_path, capsys):
-    """sizes: every (out, in) pair of the grid timed for real (one call each here), then one
-    summary row per variant and the table; the grid and table logic: tests/test_layer_filter.py."""
+def test_bench_linear_sizes_on_cpu(on_cpu, tmp_path, capsys, monkeypatch):
+    """sizes: every (out, in) pair of the grid timed for real (one call each here), eager and
+    from a CUDA graph (here a stand-in whose replay calls the function: the CPU has no graphs),
+    then one summary row per variant and timing, and the table; the grid and table logic:
+    tests/test_layer_filter.py."""
+    bl = script("bench_linear")
+    captured = []
+
+    def fake_capture(run):
+        run()  # a capture runs the function once
+        captured.append(run)
+        return SimpleNamespace(replay=run)
+
+    monkeypatch.setattr(bl, "capture_graph", fake_capture)
     out = tmp_path / "sizes.jsonl"
-    assert script("bench_linear").main(["--sections", "sizes", "--size-grid", "64,96", "--size-tokens", "64",
-                                        "--pairs", "1", "--rep", "50", "--out", str(out)]) == 0
+    assert bl.main(["--sections", "sizes", "--size-grid", "64,96", "--size-tokens", "64",
+                    "--pairs", "1", "--rep", "50", "--out", str(out)]) == 0
     rows = rows_of(out)
-    assert [r.get("shape") or r["summary"] for r in rows] == [[64, 64], [64, 96], [96, 64], [96, 96],
-                                                              "adahop_lv2", "mxfp4"]
+    assert [r.get("shape") or r["summary"] for r in rows] == [[64, 64], [64, 96], [96, 64], [96, 96], "adahop_lv2",
+                                                              "adahop_lv2/graph", "mxfp4", "mxfp4/graph"]
+    assert len(captured) == 4 * 3  # per shape: BF16 once, each variant once
+    assert set(rows[0]["speedup_vs_bf16"]) == {"adahop_lv2", "adahop_lv2/graph", "mxfp4", "mxfp4/graph"}
+    with pytest.raises(SystemExit) as e:
+        bl.main(["--sections", "sizes", "--size-timing", "eager,cold"])
+    assert e.value.code == 2
     assert all(r["section"] == "sizes" and r["env"]["torch"] == torch.__version__ for r in rows)
     assert rows[0]["modes"]["adahop_lv2"] == {"fprop": "iht", "dgrad": "iht", "wgrad": "iht+oe_right"}
     assert "| 96 | 64 | 64 |" in capsys.readouterr().out

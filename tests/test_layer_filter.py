@@ -131,7 +131,7 @@ def test_bench_linear_sizes_grid_and_table(monkeypatch, capsys):
         return (1.25 if pays else 0.8), [2.0] * pairs, [1.0] * pairs
 
     monkeypatch.setattr(bl, "paired_speedup", fake_paired)
-    rows = bl.section_sizes(grid, tokens=8, pairs=2, rep=50)
+    rows = bl.section_sizes(grid, tokens=8, pairs=2, rep=50, timings=("eager",))
     assert len(calls) == len(expected) and all(c[3:] == (2, 50) for c in calls)
     shapes, summary = rows[:-2], rows[-2:]
     assert [tuple(r["shape"]) for r in shapes] == [(n, k) for n in grid for k in grid]
