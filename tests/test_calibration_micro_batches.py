@@ -8,13 +8,19 @@ with a layer calibrating runs each micro-batch as S micro-batches of batch / S s
 - A calibration that ends within a step leaves the compiled model to compile once, at the full
   batch: the step's remaining micro-batches run eagerly.
 - Bad values are one-line errors; a split run resumes exactly and refuses another S.
+- ``adahop train --calibration-micro-batches S`` reaches the run.
 """
+
+import json
 
 import pytest
 import torch
 
 import adahop
+from adahop import cli
+from adahop.train import data as D
 from adahop.train import distributed as dist_mod
+from adahop.train import sources as S
 from adahop.train.compile import compile_model
 from adahop.train.precision import validate_schedule
 from adahop.train.run_log import read_log
@@ -155,3 +161,28 @@ def test_a_split_run_resumes_exactly_and_refuses_another_split(tmp_path):
     del old["calibration_micro_batches"]
     assert TrainConfig.from_dict(old).calibration_micro_batches == 1
     assert resume_conflicts(old, config(tmp_path, steps=5)) == []
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    out = tmp_path_factory.mktemp("corpus")
+    src = S.cpython_stdlib_source(modules=("json", "textwrap", "string"), name="stdlib-mini")
+    D.build_corpus(out, sources=[src], tokenizer="byte", progress=False)
+    return out
+
+
+def test_the_flag_reaches_the_run(corpus, tmp_path, capsys):
+    def args(out, *extra):
+        return ["train", "--preset", "debug", "--corpus", str(corpus), "--out", str(out), "--steps", "3",
+                "--seq-len", "32", "--no-progress", "--calibration-steps", "4", *extra]
+
+    run = tmp_path / "run"
+    assert cli.main(args(run, "--calibration-micro-batches", "2")) == 0
+    assert json.loads((run / "config.json").read_text())["calibration_micro_batches"] == 2
+    assert [r["calibrated"] for r in read_log(run) if "loss" in r] == [False, True, True]
+    capsys.readouterr()
+    assert cli.main(args(tmp_path / "bad", "--calibration-micro-batches", "3")) == 2  # the debug preset's batch: 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "calibration_micro_batches must divide batch_size" in err[0], err
+    with pytest.raises(SystemExit):
+        cli.main(args(tmp_path / "bad", "--calibration-micro-batches", "0"))
