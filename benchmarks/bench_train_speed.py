@@ -15,7 +15,9 @@ against both BF16 runs. Per run:
   calibration (BF16 steps of the adaptive recipes) and the compilation of the MXFP4 steps;
 - the time from the call of ``train`` to the end of the first step (model to the device,
   compilation of the first step);
-- peak device memory (``torch.cuda.max_memory_allocated``) at P1;
+- peak device memory (``torch.cuda.max_memory_allocated``): of the whole run up to P1, which
+  includes the calibration (eager, BF16 GEMMs: the adaptive recipes' peak at large sizes; see
+  --calibration-micro-batches), and of the steady steps after P0 up to P1 alone;
 - the training loss of every step;
 - with ``--profile-steps N``: device time per step over N steps after P1 (CUDA kernels from
   ``torch.profiler``; on the CPU, self CPU time per op), and the top kernels.
@@ -56,6 +58,7 @@ def run_config(args, recipe: str, run_dir):
     from adahop.train.recipes import preset
 
     cfg = preset(args.preset, recipe=recipe, model_size=args.model_size, calibration_steps=args.calibration_steps,
+                 calibration_micro_batches=args.calibration_micro_batches,
                  batch_size=args.batch_size, seq_len=args.seq_len, device=args.device,
                  out_dir=str(run_dir), corpus_dir=args.corpus, progress=False, compile=args.compile,
                  cudagraphs=args.cudagraphs,
@@ -95,10 +98,15 @@ def measure(args, recipe: str) -> dict:
             if step == p0:
                 sync()
                 state["t0"] = time.perf_counter()
+                if cuda:  # the peak so far, then the steady steps' own from here
+                    state["peak_before_p0"] = torch.cuda.max_memory_allocated(device)
+                    torch.cuda.reset_peak_memory_stats(device)
             if step == p1:
                 sync()
                 state["window_s"] = time.perf_counter() - state["t0"]
-                state["peak_bytes"] = torch.cuda.max_memory_allocated(device) if cuda else None
+                steady = torch.cuda.max_memory_allocated(device) if cuda else None
+                state["steady_peak_bytes"] = steady
+                state["peak_bytes"] = max(state["peak_before_p0"], steady) if cuda else None
                 if n_prof:
                     activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
                     state["prof"] = torch.profiler.profile(activities=[activity])
@@ -124,9 +132,11 @@ def measure(args, recipe: str) -> dict:
             "batch_size": cfg.batch_size,
             "seq_len": cfg.seq_len, "grad_accum": cfg.grad_accum, "tokens_per_step": tokens_per_step,
             "calibration_steps": cfg.adahop.calibration_steps if cfg.adahop.adaptive else 0,
+            "calibration_micro_batches": cfg.calibration_micro_batches,
             "window": [p0, p1], "steady_tokens_per_s": tokens_per_step / s_per_step,
             "ms_per_step": 1e3 * s_per_step, "first_step_s": state["first_step_s"],
-            "peak_memory_bytes": state["peak_bytes"], "losses": summary["losses"],
+            "peak_memory_bytes": state["peak_bytes"], "steady_peak_memory_bytes": state["steady_peak_bytes"],
+            "losses": summary["losses"],
         }
         if n_prof:
             row.update(profile_steps=n_prof, **{k: state[k] for k in ("profiled", "device_ms_per_step", "top")})
@@ -186,21 +196,21 @@ def table(rows: list[dict]) -> str:
     first = bf16[0]["steady_tokens_per_s"] if bf16 else None
     last = bf16[-1]["steady_tokens_per_s"] if len(bf16) > 1 else None
     lines = ["| run | recipe | tokens/s | vs bf16 (first) | vs bf16 (last) | ms/step | first step | peak memory "
-             "| device ms/step | loss at P1 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| steady peak memory | device ms/step | loss at P1 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    gib = lambda v: "-" if v is None else f"{v / 2**30:.2f} GiB"  # noqa: E731
     for i, r in enumerate(rows, 1):
         if "error" in r:
-            lines.append(f"| {i} | {r['recipe']} | {r['error']} |" + " |" * 7)
+            lines.append(f"| {i} | {r['recipe']} | {r['error']} |" + " |" * 8)
             continue
         tps = r["steady_tokens_per_s"]
-        mem = r["peak_memory_bytes"]
         p1 = r["window"][1]
         loss = r["losses"][p1 - 1] if len(r["losses"]) >= p1 else None
         lines.append(
             f"| {i} | {r['recipe']} | {tps:.0f} | {fmt(ratio(tps, first), '.3f')} | {fmt(ratio(tps, last), '.3f')} "
             f"| {r['ms_per_step']:.1f} | {r['first_step_s']:.1f} s "
-            f"| {'-' if mem is None else f'{mem / 2**30:.2f} GiB'} "
+            f"| {gib(r['peak_memory_bytes'])} | {gib(r.get('steady_peak_memory_bytes'))} "
             f"| {fmt(r.get('device_ms_per_step'), '.1f')} | {fmt(loss, '.4f')} |")
     if first and last:
         lines.append(f"\nbf16 drift over the call: last / first = {last / first:.3f}")
@@ -235,6 +245,10 @@ def parse_args(argv=None):
                    help="the timed window: steps after P0 up to P1 (default: 30 60)")
     g.add_argument("--calibration-steps", type=int, default=10,
                    help="BF16 calibration steps of the adaptive recipes, before P0 (default: %(default)s)")
+    g.add_argument("--calibration-micro-batches", type=int, default=1, metavar="S",
+                   help="as adahop train --calibration-micro-batches: the adaptive recipes' calibration steps run "
+                        "as S micro-batches of batch/S sequences, each one calibration step, so they end after "
+                        "calibration-steps / S optimizer steps; a no-op for the other recipes (default: %(default)s)")
     g.add_argument("--profile-steps", type=int, default=0,
                    help="profile this many steps after P1 (device time per step, top kernels; default: 0, none)")
     g.add_argument("--timeout", type=float, default=None,
@@ -254,11 +268,13 @@ def parse_args(argv=None):
     p0, p1 = args.steps
     if not 1 <= p0 < p1:
         p.error(f"--steps P0 P1 needs 1 <= P0 < P1, got {p0} {p1}")
-    if args.calibration_steps < 1 or args.profile_steps < 0:
-        p.error("--calibration-steps must be >= 1 and --profile-steps >= 0")
-    if args.calibration_steps >= p0:
-        p.error(f"the timed window must start after the calibration: --calibration-steps {args.calibration_steps} "
-                f">= P0 = {p0}")
+    if args.calibration_steps < 1 or args.calibration_micro_batches < 1 or args.profile_steps < 0:
+        p.error("--calibration-steps and --calibration-micro-batches must be >= 1 and --profile-steps >= 0")
+    calibrated_after = -(-args.calibration_steps // args.calibration_micro_batches)  # optimizer steps
+    if calibrated_after >= p0:
+        p.error(f"the timed window must start after the calibration: it ends after step {calibrated_after} "
+                f"(--calibration-steps {args.calibration_steps} / --calibration-micro-batches "
+                f"{args.calibration_micro_batches}), not before P0 = {p0}")
     if args.cudagraphs and args.compile != "model":
         p.error("--cudagraphs needs --compile model")
     if args.worker is not None and args.row_file is None:

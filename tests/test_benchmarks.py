@@ -108,7 +108,9 @@ def test_bad_arguments_are_refused_in_one_line(capsys):
                              ("bench_linear", ["--recipes", "adahop_lv3"], "--recipes takes"),
                              ("bench_kernels", ["--sections", "quant,gemm"], "--sections takes"),
                              ("bench_train_speed", ["--steps", "30", "20"], "1 <= P0 < P1"),
-                             ("bench_train_speed", ["--calibration-steps", "30"], "after the calibration")]:
+                             ("bench_train_speed", ["--calibration-steps", "30"], "after the calibration"),
+                             ("bench_train_speed", ["--calibration-steps", "60", "--calibration-micro-batches", "2"],
+                              "after step 30")]:
         with pytest.raises(SystemExit) as e:
             script(name).main(argv)
         assert e.value.code == 2
@@ -321,6 +323,8 @@ def test_bench_train_speed_end_to_end(corpus, tmp_path, capsys):
     for r in rows:
         assert r["window"] == [2, 4] and r["tokens_per_step"] == 64 and r["model_size"] == "tiny"
         assert r["steady_tokens_per_s"] > 0 and r["ms_per_step"] > 0 and r["first_step_s"] > 0
+        assert r["peak_memory_bytes"] is r["steady_peak_memory_bytes"] is None  # CUDA's counters only
+        assert r["calibration_micro_batches"] == 1
         assert len(r["losses"]) == 4 and all(math.isfinite(v) for v in r["losses"])
         assert r["env"]["adahop"] and r["env"]["command"].startswith("python benchmarks/bench_train_speed.py")
     # the same model, data and seed: the two bf16 runs train to the same losses
@@ -328,16 +332,21 @@ def test_bench_train_speed_end_to_end(corpus, tmp_path, capsys):
     assert list(tmp_path.glob("speed_*")) == []  # each run's folder removed after it
     text = capsys.readouterr().out
     assert "| 2 | mxfp4 |" in text and "vs bf16 (first)" in text and "bf16 drift over the call" in text
+    assert "| peak memory | steady peak memory |" in text
+    on_gpu = {**rows[1], "peak_memory_bytes": 3 * 2**30, "steady_peak_memory_bytes": 2 * 2**30}
+    assert "| 3.00 GiB | 2.00 GiB |" in ts.table([on_gpu])
 
 
 def test_bench_train_speed_worker_profiles(corpus, tmp_path):
-    """One run in this process, adaptive (calibration, then MXFP4), with the profile window."""
+    """One run in this process, adaptive (calibration as 2 micro-batches, then MXFP4), with the
+    profile window."""
     ts = script("bench_train_speed")
     row_file = tmp_path / "row.json"
     assert ts.main([*SPEED, "--corpus", str(corpus), "--profile-steps", "1", "--worker", "adahop_lv2",
-                    "--row-file", str(row_file)]) == 0
+                    "--calibration-steps", "2", "--calibration-micro-batches", "2", "--row-file", str(row_file)]) == 0
     row = json.loads(row_file.read_text())
-    assert row["recipe"] == "adahop_lv2" and row["calibration_steps"] == 1 and len(row["losses"]) == 5
+    assert row["recipe"] == "adahop_lv2" and row["calibration_steps"] == 2 and len(row["losses"]) == 5
+    assert row["calibration_micro_batches"] == 2
     assert row["profiled"] == "cpu op self time" and row["device_ms_per_step"] > 0
     assert any("mm" in name for name, _, _ in row["top"])
 

@@ -129,6 +129,7 @@ def scenarios(rank, root):
     runs = [(recipe, recipe, {}) for recipe in ("bf16", "adahop_lv2")]
     runs += [(f"fsdp2_{recipe}", recipe, {"parallel": "fsdp2"}) for recipe in ("bf16", "adahop_lv2")]
     runs += [("fsdp2_bf16_params", "adahop_lv2", {"parallel": "fsdp2", "autocast": "bf16"})]
+    runs += [("calibration_split", "adahop_lv2", {"calibration_micro_batches": 2, "calibration_steps": 4})]
     for name, recipe, kw in runs:
         model = tiny_model()
         summary = train(config(root / name, recipe, **kw), model=model, train_batches=IndexedBatches())
@@ -235,6 +236,19 @@ def test_adahop_lv2_on_2_ranks_equals_one_process_with_the_same_micro_batches(ru
     close(ddp, single(tmp_path / "plain", "adahop_lv2"), rtol=3e-2)
 
 
+def test_split_calibration_on_2_ranks_equals_one_process_with_the_same_micro_batches(runs, tmp_path):
+    """calibration_micro_batches 2: each rank's 2 rows run as 2 micro-batches of 1 in the
+    calibration step (the gradient all-reduced once, after the last), 4 merged observations. One
+    process with 2 micro-batches of 2 rows, each split in 2, observes the same 4 rows and draws the
+    same SR numbers afterwards."""
+    r0, r1 = (r["calibration_split"] for r in runs["ranks"])
+    assert r0["losses"] == r1["losses"] and r0["modes"] == r1["modes"]
+    assert all(sum(c["g"]["votes"].values()) == 4 for c in r0["calibration"].values())
+    assert set(r0["calls"].values()) == {17} and set(r1["calls"].values()) == {18}  # 2 forwards in step 1, then 7
+    close(r0["losses"], single(tmp_path / "accum", "adahop_lv2", batch_size=BATCH // 2, grad_accum=2,
+                               calibration_micro_batches=2, calibration_steps=4), rtol=1e-5)
+
+
 def test_fsdp2_with_bf16_parameters_trains_close_to_float32(runs):
     bf16 = runs["ranks"][0]["fsdp2_bf16_params"]
     assert all(math.isfinite(v) for v in bf16["losses"]) and bf16["modes"] == runs["ranks"][1]["fsdp2_bf16_params"][
@@ -318,6 +332,9 @@ def test_bad_launches_are_one_line_errors(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ValueError, match="multiple of 4"):
         D.check_launch("ddp", batch_size=6)
+    with pytest.raises(ValueError, match="each rank's 2 sequences .* do not split into 4 calibration micro-batches"):
+        D.check_launch("ddp", batch_size=8, calibration_micro_batches=4)
+    D.check_launch("ddp", batch_size=8, calibration_micro_batches=2)
     with pytest.raises(ValueError, match="--parallel is none"):
         D.check_launch("none")
     D.check_launch("ddp", batch_size=8)

@@ -55,7 +55,8 @@ def train_config(args):
                  corpus_dir=str(Path(args.corpus).resolve()),  # absolute: eval and compare run from anywhere
                  model_size=args.model_size, device=args.device, init=_init_arg(args.init),
                  seq_len=args.seq_len, oe_k=args.oe_k, calibration_steps=args.calibration_steps,
-                 calibration_gemms=args.calibration_gemms, dgrad_weight=args.dgrad_weight,
+                 calibration_gemms=args.calibration_gemms, calibration_micro_batches=args.calibration_micro_batches,
+                 dgrad_weight=args.dgrad_weight,
                  oscillation_dampening=args.oscillation_dampening,
                  backend=args.backend, progress=not args.no_progress, compile=args.compile,
                  cudagraphs=args.cudagraphs or None,
@@ -66,7 +67,8 @@ def train_config(args):
     cfg.validate()  # the fraction and the GEMM names are checked here, with the calibration length
     from adahop.train.distributed import check_launch
 
-    check_launch(cfg.parallel, cfg.batch_size)  # torchrun's environment, the batch split over its ranks
+    # torchrun's environment, the batch split over its ranks and each rank's into calibration micro-batches
+    check_launch(cfg.parallel, cfg.batch_size, cfg.calibration_micro_batches)
     return cfg
 
 
@@ -379,6 +381,11 @@ def _add_train_args(p):
     g.add_argument("--calibration-gemms", choices=("bf16", "iht"), default=None,
                    help="what the GEMMs run while calibrating: bf16 (the paper's; the default) or iht "
                         "(IHT + MXFP4: each layer saves x packed instead of in BF16 for the backward)")
+    g.add_argument("--calibration-micro-batches", type=_positive_int, metavar="S",
+                   help="run each calibration step's micro-batch as S micro-batches of batch-size/S sequences "
+                        "(the same update; the eager BF16 calibration's activation memory / S); each is one "
+                        "calibration step, so give S x the --calibration-steps. A no-op for recipes without "
+                        "calibration")
     g.add_argument("--dgrad-weight", choices=DGRAD_WEIGHTS, default=None,
                    help="the weight dgrad multiplies by: master (the layer's own, quantized on its own; the "
                         "default) or forward (the forward GEMM's quantized weight: one quantized W in both)")

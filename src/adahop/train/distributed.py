@@ -93,10 +93,11 @@ def launch_env() -> tuple[int, int, int] | None:
     return rank, world, local
 
 
-def check_launch(parallel: str, batch_size: int | None = None) -> None:
+def check_launch(parallel: str, batch_size: int | None = None, calibration_micro_batches: int = 1) -> None:
     """The launch matches ``parallel``: ``ddp``/``fsdp2`` under torchrun (or in a process group
     the caller made), ``none`` not in a world of several processes; ``batch_size`` (the global
-    batch) splits evenly over the ranks. A ValueError says what to do otherwise."""
+    batch) splits evenly over the ranks, and each rank's rows into ``calibration_micro_batches``.
+    A ValueError says what to do otherwise."""
     import torch.distributed as dist
 
     if parallel not in PARALLEL_CHOICES:
@@ -112,9 +113,20 @@ def check_launch(parallel: str, batch_size: int | None = None) -> None:
     if not initialized and env is None:
         raise LaunchError(f"--parallel {parallel} runs one process per device under torchrun, which sets RANK and "
                          f"WORLD_SIZE (not set here): launch it as `{LAUNCH.format(mode=parallel)}`")
-    if batch_size is not None and batch_size % world:
+    if batch_size is not None:
+        check_split(batch_size, world, calibration_micro_batches)
+
+
+def check_split(batch_size: int, world: int, calibration_micro_batches: int = 1) -> None:
+    """The global batch splits evenly over ``world`` ranks, and each rank's rows into the
+    calibration steps' micro-batches (``TrainConfig.calibration_micro_batches``)."""
+    if batch_size % world:
         raise LaunchError(f"the global batch of {batch_size} sequences does not split over {world} ranks: "
-                         f"give a --batch-size that is a multiple of {world}")
+                          f"give a --batch-size that is a multiple of {world}")
+    if (batch_size // world) % calibration_micro_batches:
+        raise LaunchError(f"each rank's {batch_size // world} sequences (the global batch of {batch_size} over "
+                          f"{world} ranks) do not split into {calibration_micro_batches} calibration micro-batches: "
+                          f"give a --batch-size that is a multiple of {world * calibration_micro_batches}")
 
 
 def _timeout() -> timedelta | None:
@@ -261,10 +273,8 @@ class Parallel:
             r, m = failed[0]
             raise StoppedByAnotherRank(f"rank {r} stopped the run: {m}")
 
-    def check_batch(self, batch_size: int) -> None:
-        if batch_size % self.world:
-            raise LaunchError(f"the global batch of {batch_size} sequences does not split over {self.world} ranks: "
-                             f"give a --batch-size that is a multiple of {self.world}")
+    def check_batch(self, batch_size: int, calibration_micro_batches: int = 1) -> None:
+        check_split(batch_size, self.world, calibration_micro_batches)
 
     # ---- the model --------------------------------------------------------------------------------
     def prepare(self, model: nn.Module) -> None:

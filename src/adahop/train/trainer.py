@@ -14,6 +14,7 @@ and summary, every rank writes its part of a sharded checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -74,6 +75,14 @@ class TrainConfig:
     steps: int = 20
     batch_size: int = 4
     grad_accum: int = 1
+    # A step that begins with an AdaHOP layer calibrating runs each micro-batch it reads as this
+    # many of batch_size / calibration_micro_batches sequences (per rank under --parallel),
+    # gradients accumulated: the same update up to summation order, with that fraction of the
+    # eager BF16 calibration's activations (its memory peak). Each is one calibration
+    # observation, so calibration ends after
+    # ceil(calibration_steps / (grad_accum * calibration_micro_batches)) optimizer steps. The
+    # data is read as with 1. A no-op for the recipes that do not calibrate.
+    calibration_micro_batches: int = 1
     seq_len: int = 64
     # optimizer (the paper's: AdamW lr 4e-4, eps 1e-8, 200 warm-up steps)
     lr: float = 4e-4
@@ -155,10 +164,14 @@ class TrainConfig:
     def validate(self) -> None:
         if not isinstance(self.adahop, AdaHOPConfig):
             raise ValueError(f"adahop must be an AdaHOPConfig, got {self.adahop!r}")
-        for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_batches", "sync_every"):
+        for name in ("steps", "batch_size", "grad_accum", "calibration_micro_batches", "seq_len", "eval_batches",
+                     "sync_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.batch_size % self.calibration_micro_batches:
+            raise ValueError(f"calibration_micro_batches must divide batch_size: {self.batch_size} sequences do not "
+                             f"split into {self.calibration_micro_batches} equal micro-batches")
         for name in ("warmup_steps", "eval_every", "ckpt_every", "log_every", "keep_checkpoints", "drift_batches"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -198,7 +211,8 @@ class TrainConfig:
             raise ValueError("oscillation_dampening reads whole weights: not with --parallel fsdp2 (use ddp)")
         check_bf16_phase(self.bf16_phase_start, self.bf16_phase_gemms)
         validate_schedule(self.steps, self.grad_accum, self.bf16_phase_start,
-                          self.adahop.calibration_steps if self.adahop.adaptive else None)
+                          self.adahop.calibration_steps if self.adahop.adaptive else None,
+                          self.calibration_micro_batches)
         device = resolve_device(self.device)
         if self.quantized_all_gather:
             from adahop.train.quantized_all_gather import check_config
@@ -347,7 +361,7 @@ def train(
     try:
         error = None
         try:
-            par.check_batch(cfg.batch_size)
+            par.check_batch(cfg.batch_size, cfg.calibration_micro_batches)
             if par.is_main:  # one owner of the folder; the other ranks write only their checkpoint parts
                 lock = RunLock(out).acquire()
         except ValueError as e:
@@ -521,19 +535,26 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
             opt.zero_grad(set_to_none=True)
             par.start_step()
             loss_sum = torch.zeros((), device=device)
+            # A step that begins calibrating splits each micro-batch (calibration_micro_batches).
+            # Calibration is host state, the same on every rank (merged), so no rank runs more
+            # forwards (and collectives) than another.
+            splits = 1 if adahop.is_calibrated(model) else cfg.calibration_micro_batches
+            passes = cfg.grad_accum * splits
             for micro in range(cfg.grad_accum):
                 inputs, targets = par.shard(*next(train_batches))
                 inputs, targets = inputs.to(device), targets.to(device)
-                counters = par.align_sr_counters()
-                par.start_calibration_step()
-                with par.no_sync(forward, last_micro_batch=micro == cfg.grad_accum - 1):
-                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                        logits = forward(inputs)
-                    loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-                    (loss / cfg.grad_accum).backward()
-                par.check_sr_counters(counters)
-                par.merge_calibration(step + 1)
-                loss_sum += loss.detach()
+                for part, (part_inputs, part_targets) in enumerate(zip(inputs.chunk(splits), targets.chunk(splits))):
+                    counters = par.align_sr_counters()
+                    par.start_calibration_step()
+                    last_part = micro == cfg.grad_accum - 1 and part == splits - 1
+                    with par.no_sync(forward, last_micro_batch=last_part), _eager_if(splits > 1):
+                        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+                            logits = forward(part_inputs)
+                        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), part_targets.flatten())
+                        (loss / passes).backward()
+                    par.check_sr_counters(counters)
+                    par.merge_calibration(step + 1)
+                    loss_sum += loss.detach()
             add_dampening_grad(model, cfg.oscillation_dampening, torch.bfloat16 if use_bf16 else torch.float32)
             grad_norm = par.clip_grad_norm(model.parameters(), cfg.grad_clip)
             opt.step()
@@ -548,7 +569,7 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
             record = {"step": step, "loss": None, "lr": lr, "grad_norm": None,
                       "tokens": step * tokens_per_step, "tok_per_s": None,
                       "calibrated": adahop.is_calibrated(model)}
-            pending.append((record, par.step_report(loss_sum / cfg.grad_accum, grad_norm)))
+            pending.append((record, par.step_report(loss_sum / passes, grad_norm)))
             if stop:
                 break
             last = step == cfg.steps or (stop_after is not None and steps_done >= stop_after)
@@ -597,6 +618,14 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
                           json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1))
     par.barrier()  # the summary is written before any rank returns
     return summary
+
+
+def _eager_if(split: bool):
+    """The context of a split step's forward and backward: the eager model. While a layer
+    calibrates the compiled model runs eagerly anyway (train/compile.py); once calibration ends
+    within the step, its remaining micro-batches would compile the model at their smaller shape,
+    and the next step, at the full batch, would compile it again with a dynamic batch dim."""
+    return torch.compiler.set_stance("force_eager") if split else contextlib.nullcontext()
 
 
 def write_text_atomic(path: Path, text: str) -> None:
