@@ -230,8 +230,13 @@ def test_bf16_on_2_ranks_equals_one_process_on_the_global_batch(runs, tmp_path, 
 @pytest.mark.parametrize("kind", ["", "fsdp2_"])
 def test_adahop_lv2_on_2_ranks_equals_one_process_with_the_same_micro_batches(runs, tmp_path, kind):
     ddp = runs["ranks"][0][f"{kind}adahop_lv2"]["losses"]
-    # the same micro-batches of 2 rows, the same SR numbers: only the gradient sums' order differs
-    close(ddp, single(tmp_path / "accum", "adahop_lv2", batch_size=BATCH // 2, grad_accum=2), rtol=1e-5)
+    # The same micro-batches of 2 rows, the same SR numbers: only the gradient sums' order
+    # differs. DDP's all-reduce keeps the losses within float rounding; FSDP2's reduce-scatter of
+    # shards sums in another order, and once the weights differ by an ulp one MXFP4 code can round
+    # the other way, which moves the tiny model's loss by up to ~1e-3 (how far depends on the
+    # CPU's float kernels: 4e-4 at step 8 on some machines, none on others).
+    close(ddp, single(tmp_path / "accum", "adahop_lv2", batch_size=BATCH // 2, grad_accum=2),
+          rtol=2e-3 if kind else 1e-5)
     # against one GEMM over the whole batch: OE and the Hadamard blocks see other rows; still close
     close(ddp, single(tmp_path / "plain", "adahop_lv2"), rtol=3e-2)
 
