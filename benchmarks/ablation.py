@@ -43,15 +43,11 @@ from adahop.train.trainer import COMPILE_CHOICES
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """A recipe's numerics (an ``AdaHOPConfig``) and the TrainConfig fields it sets (a BF16 phase,
-    oscillation dampening, drift, calibration micro-batches); ``what``: one line for the report.
-    ``calibration_scale``: the preset's calibration_steps times this. A calibration step is a
-    backward pass, so a variant that splits each calibration step's batch into S micro-batches
-    needs S times the steps to calibrate over the same optimizer steps and tokens."""
+    oscillation dampening, drift, calibration micro-batches); ``what``: one line for the report."""
 
     numerics: Callable[[], adahop.AdaHOPConfig]
     what: str
     train: tuple = ()  # (field, value) pairs
-    calibration_scale: int = 1
 
     @property
     def train_fields(self) -> dict:
@@ -101,9 +97,8 @@ VARIANTS: dict[str, Variant] = {
     # calibration in IHT + MXFP4 instead of BF16: no BF16 activations kept (the memory peak)
     "lv2_calib_iht": Variant(_recipe("adahop_lv2", calibration_gemms="iht"), "lv2, calibration steps in IHT + MXFP4"),
     # the same BF16 calibration, its steps as 4 micro-batches each (a quarter of the activations)
-    "lv2_calib_mb4": Variant(_LV2, "lv2, calibration steps as 4 micro-batches (4x the calibration steps: "
-                             "the same optimizer steps and tokens)", (("calibration_micro_batches", 4),),
-                             calibration_scale=4),
+    "lv2_calib_mb4": Variant(_LV2, "lv2, each calibration step run as 4 micro-batches (one observation each step)",
+                             (("calibration_micro_batches", 4),)),
     # one GEMM (or two) kept in BF16: where the gap comes from
     "lv2_fprop_bf16": Variant(_lv2_forcing(fprop="bf16"), "lv2, fprop in BF16 (only the backward in MXFP4)"),
     "lv2_dgrad_bf16": Variant(_lv2_forcing(dgrad="bf16"), "lv2, dgrad in BF16"),
@@ -152,12 +147,9 @@ PER_RUN_FIELDS = ("out_dir", "seed", "progress", "extra")
 
 
 def variant_config(name: str, base: adahop.AdaHOPConfig, seed: int) -> adahop.AdaHOPConfig:
-    """Variant ``name``'s numerics with the preset's calibration length (times the variant's
-    ``calibration_scale``), backend and OE k per GEMM (they scale with the model), and the SR
-    seed ``seed``."""
-    variant = VARIANTS[name]
-    q = variant.numerics().replace(calibration_steps=base.calibration_steps * variant.calibration_scale,
-                                   backend=base.backend, seed=seed)
+    """Variant ``name``'s numerics with the preset's calibration length, backend and OE k per
+    GEMM (they scale with the model), and the SR seed ``seed``."""
+    q = VARIANTS[name].numerics().replace(calibration_steps=base.calibration_steps, backend=base.backend, seed=seed)
     return q.replace(**{g: dataclasses.replace(q.gemm(g), oe_k=base.gemm(g).oe_k) for g in GEMMS})
 
 

@@ -1,12 +1,13 @@
 """Calibration micro-batches (``TrainConfig.calibration_micro_batches``, S): a step that begins
-with a layer calibrating runs each micro-batch as S micro-batches of batch / S sequences.
+with a layer calibrating runs each micro-batch as S parts of batch / S sequences, and the layers
+merge the parts into one observation (``adahop.calibration_parts``).
 
-- The first step's gradient is the unsplit one up to summation order, and calibration, counted
-  in backward passes, ends after calibration_steps / S optimizer steps.
+- The first step's gradient is the unsplit one up to summation order; the observations are the
+  unsplit ones to float rounding, so calibration decides the same modes at the same step.
 - The data iterator yields the same batches in the same order; recipes without calibration train
   bit for bit as with S = 1.
-- A calibration that ends within a step leaves the compiled model to compile once, at the full
-  batch: the step's remaining micro-batches run eagerly.
+- A calibration that ends within a step (grad_accum > 1) leaves the compiled model to compile
+  once, at the full micro-batch: the step's remaining parts run eagerly.
 - Bad values are one-line errors; a split run resumes exactly and refuses another S.
 - ``adahop train --calibration-micro-batches S`` reaches the run.
 """
@@ -22,7 +23,6 @@ from adahop.train import data as D
 from adahop.train import distributed as dist_mod
 from adahop.train import sources as S
 from adahop.train.compile import compile_model
-from adahop.train.precision import validate_schedule
 from adahop.train.run_log import read_log
 from adahop.train.trainer import TrainConfig, resume_conflicts, train
 
@@ -42,30 +42,63 @@ class RecordedBatches(CountingBatches):
         return batch
 
 
-def first_gradient_and_losses(tmp_path, splits, **kw):
-    """(the first step's clipped gradient, flattened; the losses; the log's 'calibrated' per step)."""
-    grads = []
+def first_step(tmp_path, splits, **kw):
+    """(the first step's clipped gradient, flattened; each layer's calibration state after it; the
+    losses; the log's 'calibrated' per step; the frozen modes and patterns)."""
+    grads, states = [], []
 
     def hook(step, model):
         if step == 1:  # after opt.step; the gradients stay until the next step's zero_grad
             grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+            states.append({f: m.calibration.to_dict() for f, m in adahop.adahop_layers(model).items()})
 
     cfg = config(tmp_path, calibration_micro_batches=splits, **kw)
-    summary = train(cfg, model=tiny_model(), train_batches=CountingBatches(), on_step=hook)
-    return grads[0], summary["losses"], [r["calibrated"] for r in read_log(cfg.out_dir)]
+    model = tiny_model()
+    summary = train(cfg, model=model, train_batches=CountingBatches(), on_step=hook)
+    frozen = {f: (m.modes, m.patterns) for f, m in adahop.adahop_layers(model).items()}
+    return grads[0], states[0], summary["losses"], [r["calibrated"] for r in read_log(cfg.out_dir)], frozen
 
 
-def test_split_steps_give_the_unsplit_gradient_and_calibration_counts_micro_batches(tmp_path):
-    whole, losses_1, calibrated_1 = first_gradient_and_losses(tmp_path / "s1", 1, calibration_steps=4, steps=6)
-    split, losses_2, calibrated_2 = first_gradient_and_losses(tmp_path / "s2", 2, calibration_steps=4, steps=6)
+def test_split_steps_give_the_unsplit_gradient_and_observations(tmp_path):
+    whole, seen_1, losses_1, calibrated_1, frozen_1 = first_step(tmp_path / "s1", 1, calibration_steps=3, steps=5)
+    split, seen_2, losses_2, calibrated_2, frozen_2 = first_step(tmp_path / "s2", 2, calibration_steps=3, steps=5)
     torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-6 * whole.abs().max().item())
     # the logged loss is the mean over the step's tokens either way; step 2 starts from weights
     # that differ by the gradients' summation order only
     assert losses_2[0] == pytest.approx(losses_1[0], rel=1e-6)
     assert losses_2[1] == pytest.approx(losses_1[1], rel=1e-4)
-    # 4 backward passes: 2 steps of 2 micro-batches, or 4 unsplit steps
-    assert calibrated_2 == [False, True, True, True, True, True]
-    assert calibrated_1 == [False, False, False, True, True, True]
+    # one observation of each micro-batch whole: the same votes, the scores to float rounding
+    assert seen_2.keys() == seen_1.keys()
+    for fqn, state in seen_1.items():
+        for role, t in state.items():
+            assert seen_2[fqn][role]["votes"] == t["votes"], (fqn, role)
+            for stat, v in t["sums"].items():
+                assert seen_2[fqn][role]["sums"][stat] == pytest.approx(v, rel=1e-5, abs=1e-9), (fqn, role, stat)
+    assert calibrated_2 == calibrated_1 == [False, False, True, True, True]
+    assert frozen_2 == frozen_1
+
+
+def test_parts_observed_one_by_one_would_change_the_labels():
+    """Why the parts are merged: the detector's scores depend on how many rows a tensor has. A
+    gradient with a few outlier tokens among many is 'none' as a whole; its quarters, each with
+    fewer rows, are called 'row' on their own. ``calibration_parts`` keeps the whole's label."""
+    t = torch.randn(1024, 128, generator=torch.Generator().manual_seed(0))
+    t[::97] *= 20  # 11 outlier tokens
+    t[:, 5] *= 4  # and an outlier channel
+    whole = adahop.patterns.calibration.observe_tensor(t, tau=2.0, k=8)
+    alone = [adahop.patterns.calibration.observe_tensor(c, tau=2.0, k=8).pattern for c in t.chunk(4)]
+    assert whole.pattern == "none" and alone == ["row"] * 4
+    layer = adahop.AdaHOPLinear.from_float(torch.nn.Linear(128, 64),
+                                           config=adahop.AdaHOPConfig.from_recipe_name("adahop_lv2"))
+    merged = adahop.patterns.calibration.LayerCalibration()
+    layer.calibration = merged
+    with adahop.calibration_parts(layer, 4):
+        for c in t.chunk(4):
+            layer._observe("g", c)
+        assert layer._parts["g"] == []  # the fourth part completed the observation
+    assert merged.tensors["g"].votes == {"row": 0, "col": 0, "none": 1}
+    assert merged.tensors["g"].sums["cv_row"] == pytest.approx(whole.cv_row, rel=1e-6)
+    assert merged.tensors["g"].sums["cv_col"] == pytest.approx(whole.cv_col, rel=1e-6)
 
 
 def test_the_data_is_read_as_without_the_split(tmp_path):
@@ -95,10 +128,10 @@ def test_recipes_without_calibration_train_bit_for_bit_as_unsplit(tmp_path, reci
 
 
 def test_calibration_ending_within_a_step_compiles_once_at_the_full_batch(tmp_path):
-    """Calibration steps 3, S = 2: the freeze comes after the first micro-batch of step 2. Its
-    second micro-batch (2 rows) runs eagerly; the model compiles once, for the steps after it, at
-    the full batch of 4 rows (run on the compiled model, it would compile at 2 rows and then
-    again, with a dynamic batch dim, at 4)."""
+    """Calibration steps 3, grad_accum 2, S = 2: the freeze comes after the first micro-batch of
+    step 2. Its second micro-batch runs as 2 parts of 2 rows, eagerly; the model compiles once,
+    for the steps after it, at the full micro-batch of 4 rows (run on the compiled model, it would
+    compile at 2 rows and then again, with a dynamic batch dim, at 4)."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     token_shapes = []
@@ -108,7 +141,7 @@ def test_calibration_ending_within_a_step_compiles_once_at_the_full_batch(tmp_pa
                             if isinstance(t, torch.Tensor) and t.dtype == torch.long and t.dim() == 2)
         return gm.forward
 
-    cfg = config(tmp_path, calibration_steps=3, calibration_micro_batches=2, steps=4)
+    cfg = config(tmp_path, calibration_steps=3, calibration_micro_batches=2, grad_accum=2, steps=4)
     model = tiny_model()
     adahop.convert_to_adahop_training(model, config=cfg.adahop)
     compile_model(model, backend=counting_backend)  # on the CPU the trainer compiles nothing itself
@@ -134,16 +167,8 @@ def test_bad_values_are_one_line_errors(tmp_path):
         dist_mod.check_split(4, 2, 4)
 
 
-def test_the_bf16_phase_must_begin_after_the_split_calibration():
-    """ceil(calibration_steps / (grad_accum * S)) optimizer steps calibrate."""
-    with pytest.raises(ValueError, match="before the calibration ends"):
-        validate_schedule(100, 1, 0.1, 30, 2)  # the phase after step 10, calibration to step 15
-    validate_schedule(100, 1, 0.1, 30, 3)  # to step 10
-    validate_schedule(100, 2, 0.1, 40, 2)
-
-
 def test_a_split_run_resumes_exactly_and_refuses_another_split(tmp_path):
-    """Killed during calibration (2 of 4 observations, after step 1) and resumed: the losses of
+    """Killed during calibration (1 of 4 observations, after step 1) and resumed: the losses of
     the uninterrupted run, bit for bit. S changes what the calibration steps compute: a resume
     with another S is refused. A config written before the field existed reads as S = 1."""
     whole = train(config(tmp_path / "whole", calibration_steps=4, calibration_micro_batches=2, steps=5),
@@ -174,7 +199,7 @@ def corpus(tmp_path_factory):
 def test_the_flag_reaches_the_run(corpus, tmp_path, capsys):
     def args(out, *extra):
         return ["train", "--preset", "debug", "--corpus", str(corpus), "--out", str(out), "--steps", "3",
-                "--seq-len", "32", "--no-progress", "--calibration-steps", "4", *extra]
+                "--seq-len", "32", "--no-progress", "--calibration-steps", "2", *extra]
 
     run = tmp_path / "run"
     assert cli.main(args(run, "--calibration-micro-batches", "2")) == 0

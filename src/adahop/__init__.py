@@ -6,7 +6,13 @@ calibration) -> policy (strategy tables) -> config -> ops (dispatch: reference t
 """
 
 from adahop.config import RECIPES, AdaHOPConfig, GemmConfig
-from adahop.convert import adahop_layers, convert_to_adahop_training, finish_calibration, is_calibrated
+from adahop.convert import (
+    adahop_layers,
+    calibration_parts,
+    convert_to_adahop_training,
+    finish_calibration,
+    is_calibrated,
+)
 from adahop.formats.mxfp4 import MXFP4Tensor, dequantize_mxfp4, fake_quantize_mxfp4, quantize_mxfp4
 from adahop.linear import AdaHOPLinear
 from adahop.modes_io import load_modes, save_modes
@@ -28,6 +34,7 @@ __all__ = [
     "dequantize_mxfp4",
     "detect_outlier_pattern",
     "fake_quantize_mxfp4",
+    "calibration_parts",
     "finish_calibration",
     "inverse_block_hadamard",
     "is_calibrated",

@@ -23,6 +23,7 @@ conversion, the ``nn.Linear`` layers left in BF16 and why.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from torch import nn
@@ -131,6 +132,28 @@ def adahop_layers(model: nn.Module) -> dict[str, AdaHOPLinear]:
 def is_calibrated(model: nn.Module) -> bool:
     """True when every converted layer has frozen modes."""
     return all(not m.calibrating for m in adahop_layers(model).values())
+
+
+@contextlib.contextmanager
+def calibration_parts(model: nn.Module, parts: int):
+    """While active, each converted layer of ``model`` takes ``parts`` consecutive training calls
+    (forward and backward each) as the parts of one micro-batch, split along its rows, and makes
+    them one calibration observation (``patterns.calibration.observe_parts``): the same labels
+    and statistics as one call on the whole micro-batch, to float rounding. What the trainer's
+    ``calibration_micro_batches`` runs its calibration steps in. Every split micro-batch must be
+    run whole inside; parts left over when it ends (an interrupted step) are dropped."""
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"parts must be an int >= 1, got {parts!r}")
+    layers = list(adahop_layers(model).values())
+    for layer in layers:
+        layer.calibration_parts = parts
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.calibration_parts = 1
+            for pending in layer._parts.values():
+                pending.clear()
 
 
 def finish_calibration(model: nn.Module) -> dict[str, dict]:

@@ -54,7 +54,7 @@ from adahop.layer_ops import (  # noqa: F401  (GemmPlan, LayerPlan, make_gemm_pl
     mxfp4_gemm,
     numerics_key,
 )
-from adahop.patterns.calibration import LayerCalibration, observe_tensor
+from adahop.patterns.calibration import LayerCalibration, observe_parts, tensor_part
 from adahop.patterns.detect import check_patterns
 from adahop.policy import GEMMS, policy_result, table_policy
 
@@ -114,6 +114,11 @@ class AdaHOPLinear(nn.Linear):
         # False: the layer does not freeze itself when calibration ends; the caller merges the
         # observations first (e.g. across data-parallel ranks) and calls finish_calibration.
         self.freeze_when_calibrated = True
+        # How many consecutive training calls make one calibration observation: a micro-batch
+        # run as that many parts (``convert.calibration_parts``); the parts of x and g wait in
+        # ``_parts`` (small per-row and per-column statistics) until the last one comes.
+        self.calibration_parts = 1
+        self._parts: dict[str, list] = {"x": [], "g": []}
         self._register_load_state_dict_pre_hook(self._fill_missing_extra_state, with_module=False)
 
     @property
@@ -169,12 +174,21 @@ class AdaHOPLinear(nn.Linear):
 
     def _observe(self, role: str, t: torch.Tensor) -> None:
         k = {"x": self.config.fprop.oe_k, "w": self.config.fprop.oe_k, "g": self.config.dgrad.oe_k}[role]
+        parts = self._parts.get(role)
+        if role == "w" and self.calibration_parts > 1 and len(self._parts["x"]) != 1:
+            return  # a later part's weight (x is observed first): the same tensor as the first's
         # The quantization statistics (patterns.quant_error) are what the measured policy reads,
         # and cost about a third more calibration time: only for it. The weight's error profile
         # along dim 0 too: dgrad quantizes it along N.
-        measured = self.config.policy == "measured"
-        self.calibration.add(role, observe_tensor(t, tau=self.config.tau, k=k, quant=measured,
-                                                  profile_dims=(1, 0) if role == "w" else (1,)))
+        part = tensor_part(t, k=k, quant=self.config.policy == "measured",
+                           profile_dims=(1, 0) if role == "w" else (1,))
+        if parts is None or self.calibration_parts == 1:
+            self.calibration.add(role, observe_parts([part], tau=self.config.tau, k=k))
+            return
+        parts.append(part)
+        if len(parts) == self.calibration_parts:  # the micro-batch is whole: one observation
+            self.calibration.add(role, observe_parts(parts, tau=self.config.tau, k=k))
+            parts.clear()
 
     def _after_calibration_step(self) -> None:
         if (self.freeze_when_calibrated and self.calibrating

@@ -59,20 +59,31 @@ def unit_scaled(m: torch.Tensor) -> torch.Tensor:
     value into [0.5, 1): only exponents change (exact, but for elements that end below float32's
     normal range), and every statistic of a ratio of its squares is then free of its scale and
     safe from under- and overflow. An all-zero (or empty) ``m`` stays zero."""
+    return unit_scaled_exponent(m)[0]
+
+
+def unit_scaled_exponent(m: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(unit_scaled(m), e)`` with ``m = unit_scaled(m) * 2**e`` (e = 0 for an all-zero or empty
+    ``m``): what statistics of several tensors need to be brought to one scale (``rescale``)."""
     if m.numel() == 0:
-        return m.to(torch.float32)
+        return m.to(torch.float32), 0
     lo, hi = torch.aminmax(m)  # one pass, no |m| temporary
     amax = max(-lo.item(), hi.item())
     if amax == 0:
-        return m.to(torch.float32)
+        return m.to(torch.float32), 0
     _, e = math.frexp(amax)  # amax = f * 2**e, 0.5 <= f < 1
     if m.dtype == torch.float64:  # scaled before the cast: a float64 beyond float32's range is fine
-        return (m * math.ldexp(1.0, -e)).to(torch.float32)
-    m = m.to(torch.float32)
-    if -126 <= -e <= 127:  # 2**-e is a normal float32: one exact multiply
-        return m * math.ldexp(1.0, -e)
-    half = -e // 2  # a subnormal or a huge amax: two multiplies, each by a normal power of two
-    return m * math.ldexp(1.0, half) * math.ldexp(1.0, -e - half)
+        return (m * math.ldexp(1.0, -e)).to(torch.float32), e
+    return rescale(m.to(torch.float32), -e), e
+
+
+def rescale(v: torch.Tensor, e: int) -> torch.Tensor:
+    """``v * 2**e`` for float32 ``v``, exact but for results below float32's normal range: one
+    multiply where 2**e is a normal float32, else two, each by a normal power of two."""
+    if -126 <= e <= 127:
+        return v * math.ldexp(1.0, e)
+    half = e // 2
+    return v * math.ldexp(1.0, half) * math.ldexp(1.0, e - half)
 
 
 def unit_rows(t: torch.Tensor) -> torch.Tensor | None:
@@ -92,9 +103,17 @@ def scores_of(m: torch.Tensor | None) -> OutlierScores:
     """The scores of a ``unit_rows`` tensor (None: non-finite)."""
     if m is None or m.shape[0] < 2 or m.shape[1] < 2:
         return OutlierScores(math.nan, math.nan)
-    rows, cols = m.shape
-    cv_row = _cv(m.var(dim=1)) / math.sqrt(2.0 / max(cols - 1, 1))
-    cv_col = _cv(m.var(dim=0)) / math.sqrt(2.0 / max(rows - 1, 1))
+    return scores_of_variances(m.var(dim=1), m.var(dim=0))
+
+
+def scores_of_variances(row_var: torch.Tensor, col_var: torch.Tensor) -> OutlierScores:
+    """The scores from a tensor's row variances ([rows]) and column variances ([cols]): what
+    ``scores_of`` computes, for statistics gathered in parts (``patterns.calibration``)."""
+    rows, cols = row_var.numel(), col_var.numel()
+    if rows < 2 or cols < 2:
+        return OutlierScores(math.nan, math.nan)
+    cv_row = _cv(row_var) / math.sqrt(2.0 / max(cols - 1, 1))
+    cv_col = _cv(col_var) / math.sqrt(2.0 / max(rows - 1, 1))
     return OutlierScores(cv_row, cv_col)
 
 

@@ -80,16 +80,13 @@ def phase_switch_step(steps: int, start: float | None) -> int | None:
     return None if start is None else math.floor(start * steps)
 
 
-def validate_schedule(steps: int, grad_accum: int, start: float | None, calibration_steps: int | None,
-                      calibration_micro_batches: int = 1) -> None:
-    """A BF16 phase must begin after the calibration: a calibration step is a backward pass, and
-    a calibrating optimizer step runs ``grad_accum * calibration_micro_batches`` of them
-    (``TrainConfig.calibration_micro_batches``), so it ends after
-    ``ceil(calibration_steps / (grad_accum * calibration_micro_batches))`` optimizer steps."""
+def validate_schedule(steps: int, grad_accum: int, start: float | None, calibration_steps: int | None) -> None:
+    """A BF16 phase must begin after the calibration: a calibration step is a backward pass, so
+    it ends after ``ceil(calibration_steps / grad_accum)`` optimizer steps."""
     k = phase_switch_step(steps, start)
     if k is None or calibration_steps is None:
         return
-    calibrated_after = math.ceil(calibration_steps / (grad_accum * calibration_micro_batches))
+    calibrated_after = math.ceil(calibration_steps / grad_accum)
     if k < calibrated_after:
         raise ValueError(f"bf16_phase_start {start} begins the BF16 phase after step {k}, before the calibration "
                          f"ends (step {calibrated_after}); start it later")

@@ -76,12 +76,11 @@ class TrainConfig:
     batch_size: int = 4
     grad_accum: int = 1
     # A step that begins with an AdaHOP layer calibrating runs each micro-batch it reads as this
-    # many of batch_size / calibration_micro_batches sequences (per rank under --parallel),
+    # many parts of batch_size / calibration_micro_batches sequences (per rank under --parallel),
     # gradients accumulated: the same update up to summation order, with that fraction of the
-    # eager BF16 calibration's activations (its memory peak). Each is one calibration
-    # observation, so calibration ends after
-    # ceil(calibration_steps / (grad_accum * calibration_micro_batches)) optimizer steps. The
-    # data is read as with 1. A no-op for the recipes that do not calibrate.
+    # eager BF16 calibration's activations (its memory peak). The layers merge the parts into one
+    # observation of the whole micro-batch (adahop.calibration_parts), so the calibration decides
+    # and lasts as with 1, and the data is read as with 1. A no-op for recipes that do not calibrate.
     calibration_micro_batches: int = 1
     seq_len: int = 64
     # optimizer (the paper's: AdamW lr 4e-4, eps 1e-8, 200 warm-up steps)
@@ -211,8 +210,7 @@ class TrainConfig:
             raise ValueError("oscillation_dampening reads whole weights: not with --parallel fsdp2 (use ddp)")
         check_bf16_phase(self.bf16_phase_start, self.bf16_phase_gemms)
         validate_schedule(self.steps, self.grad_accum, self.bf16_phase_start,
-                          self.adahop.calibration_steps if self.adahop.adaptive else None,
-                          self.calibration_micro_batches)
+                          self.adahop.calibration_steps if self.adahop.adaptive else None)
         device = resolve_device(self.device)
         if self.quantized_all_gather:
             from adahop.train.quantized_all_gather import check_config
@@ -543,18 +541,20 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
             for micro in range(cfg.grad_accum):
                 inputs, targets = par.shard(*next(train_batches))
                 inputs, targets = inputs.to(device), targets.to(device)
-                for part, (part_inputs, part_targets) in enumerate(zip(inputs.chunk(splits), targets.chunk(splits))):
-                    counters = par.align_sr_counters()
-                    par.start_calibration_step()
-                    last_part = micro == cfg.grad_accum - 1 and part == splits - 1
-                    with par.no_sync(forward, last_micro_batch=last_part), _eager_if(splits > 1):
-                        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                            logits = forward(part_inputs)
-                        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), part_targets.flatten())
-                        (loss / passes).backward()
-                    par.check_sr_counters(counters)
-                    par.merge_calibration(step + 1)
-                    loss_sum += loss.detach()
+                with _split(model, splits):
+                    for part, (part_inputs, part_targets) in enumerate(zip(inputs.chunk(splits),
+                                                                           targets.chunk(splits))):
+                        counters = par.align_sr_counters()
+                        par.start_calibration_step()
+                        last_part = micro == cfg.grad_accum - 1 and part == splits - 1
+                        with par.no_sync(forward, last_micro_batch=last_part):
+                            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+                                logits = forward(part_inputs)
+                            loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), part_targets.flatten())
+                            (loss / passes).backward()
+                        par.check_sr_counters(counters)
+                        par.merge_calibration(step + 1)
+                        loss_sum += loss.detach()
             add_dampening_grad(model, cfg.oscillation_dampening, torch.bfloat16 if use_bf16 else torch.float32)
             grad_norm = par.clip_grad_norm(model.parameters(), cfg.grad_clip)
             opt.step()
@@ -620,12 +620,19 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
     return summary
 
 
-def _eager_if(split: bool):
-    """The context of a split step's forward and backward: the eager model. While a layer
-    calibrates the compiled model runs eagerly anyway (train/compile.py); once calibration ends
-    within the step, its remaining micro-batches would compile the model at their smaller shape,
-    and the next step, at the full batch, would compile it again with a dynamic batch dim."""
-    return torch.compiler.set_stance("force_eager") if split else contextlib.nullcontext()
+@contextlib.contextmanager
+def _split(model: nn.Module, splits: int):
+    """The context of a micro-batch run as ``splits`` parts (``splits`` > 1): the layers merge
+    its parts into one calibration observation (``adahop.calibration_parts``), and the model runs
+    eagerly. While a layer calibrates the compiled model runs eagerly anyway
+    (train/compile.py); once calibration ends within the step (with grad_accum > 1), its remaining
+    parts would compile the model at their smaller shape, and the next step, at the full batch,
+    would compile it again with a dynamic batch dim."""
+    if splits == 1:
+        yield
+        return
+    with adahop.calibration_parts(model, splits), torch.compiler.set_stance("force_eager"):
+        yield
 
 
 def write_text_atomic(path: Path, text: str) -> None:
