@@ -3,7 +3,8 @@ with a layer calibrating runs each micro-batch as S parts of batch / S sequences
 merge the parts into one observation (``adahop.calibration_parts``).
 
 - The first step's gradient is the unsplit one up to summation order; the observations are the
-  unsplit ones to float rounding, so calibration decides the same modes at the same step.
+  unsplit ones to float rounding, so calibration decides the same modes at the same step, and
+  the SR draws after it are the unsplit run's.
 - The data iterator yields the same batches in the same order; recipes without calibration train
   bit for bit as with S = 1.
 - A calibration that ends within a step (grad_accum > 1) leaves the compiled model to compile
@@ -44,7 +45,7 @@ class RecordedBatches(CountingBatches):
 
 def first_step(tmp_path, splits, **kw):
     """(the first step's clipped gradient, flattened; each layer's calibration state after it; the
-    losses; the log's 'calibrated' per step; the frozen modes and patterns)."""
+    losses; the log's 'calibrated' per step; the frozen modes, patterns and SR call counters)."""
     grads, states = [], []
 
     def hook(step, model):
@@ -55,7 +56,7 @@ def first_step(tmp_path, splits, **kw):
     cfg = config(tmp_path, calibration_micro_batches=splits, **kw)
     model = tiny_model()
     summary = train(cfg, model=model, train_batches=CountingBatches(), on_step=hook)
-    frozen = {f: (m.modes, m.patterns) for f, m in adahop.adahop_layers(model).items()}
+    frozen = {f: (m.modes, m.patterns, m.calls) for f, m in adahop.adahop_layers(model).items()}
     return grads[0], states[0], summary["losses"], [r["calibrated"] for r in read_log(cfg.out_dir)], frozen
 
 
@@ -75,7 +76,10 @@ def test_split_steps_give_the_unsplit_gradient_and_observations(tmp_path):
             for stat, v in t["sums"].items():
                 assert seen_2[fqn][role]["sums"][stat] == pytest.approx(v, rel=1e-5, abs=1e-9), (fqn, role, stat)
     assert calibrated_2 == calibrated_1 == [False, False, True, True, True]
+    # the same modes, and the same SR draws after calibration (BF16 calibration parts count as one
+    # call): the MXFP4 steps differ by the weights' float rounding only
     assert frozen_2 == frozen_1
+    assert losses_2[4] == pytest.approx(losses_1[4], rel=1e-3)
 
 
 def test_parts_observed_one_by_one_would_change_the_labels():

@@ -297,7 +297,9 @@ class AdaHOPLinear(nn.Linear):
         are observed here and g by a hook on the output's gradient (which also counts the step:
         the backward op keeps the numerics it was called with, so a freeze there is safe)."""
         if self.config.calibration_gemms == "bf16":
-            if needs_backward:
+            # BF16 GEMMs draw no SR bits: the parts of a split micro-batch count as one call, so
+            # that the draws after calibration are the unsplit run's
+            if needs_backward and not self._parts["x"]:
                 self.rng_state[1] += 1
             return _CalibratingLinearFunction.apply(x_TK, self.weight, self)
         self._observe("x", x_TK)
