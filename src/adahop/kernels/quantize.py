@@ -5,8 +5,10 @@ dim, given by strides, so one kernel quantizes ``x_TK`` along K (strides (K, 1))
 (the view ``x.t()``, strides (1, K)) without a transpose copy. Each program owns ``BLOCK_R`` rows
 and a range of K (all of it, unless the operand has too few rows to fill the GPU: then K is
 split over several programs), walked in chunks of ``BLOCK_K``; per chunk it loads, signs,
-transforms, takes block maxima, and rounds, exactly as the reference (``kernels.mxfp4_math``).
-Outputs (all row-major, K padded to ``KP``, a multiple of max(32, Hadamard size)):
+transforms, takes block maxima, and rounds, exactly as the reference (``kernels.mxfp4_math``). The
+numerics are the operand's ``OperandSpec`` (``transforms.operand_spec``, checked when it was made);
+the kernels implement MX blocks of 32 only. Outputs (all row-major, K padded to ``KP``,
+``spec.padded(K)``):
 
 * packed codes ``[R, KP/2]`` uint8 and scale bytes ``[R, KP/32]`` uint8: ``MXFP4Tensor``'s layout,
   bit-identical to ``ops.operand.quantize_operand`` (what is saved for the backward);
@@ -52,7 +54,7 @@ from adahop.kernels.mxfp4_math import (
     lowbias32,
     pow2,
 )
-from adahop.transforms.hadamard import HADAMARD_NORM
+from adahop.transforms.operand_spec import OperandSpec
 
 INTERPRETED_JIT: tl.constexpr = tl.constexpr(INTERPRETED)
 
@@ -411,49 +413,35 @@ def sr_key(seed: int) -> int:
     return _lowbias32_int(_lowbias32_int(0) ^ seed)
 
 
-def operand_args(
-    K: int, *, block_size: int = 32, scale_mode: str = "even", rounding: str = "rne",
-    hadamard_size: int | None = None, signs_seed: int | None = None, sr_seed: int | SRStream | None = None,
-) -> dict:
-    """The numerics of one quantized operand as kernel arguments, checked: the padded length
-    ``KP`` of a K-long row (a multiple of ``align`` = max(32, Hadamard size)), the Hadamard's
-    ``log2_h`` and ``norm``, the random-sign and SR keys (an ``SRStream`` seed: its stream id and
-    state tensor, the key is derived in the kernel), the scale-mode id. Shared by
-    ``quantize_operand_triton`` and ``kernels.quantize_both``."""
-    if block_size != 32:
-        raise ValueError(f"the Triton kernels implement MX blocks of 32, got block_size={block_size}")
-    if rounding not in ("rne", "sr"):
-        raise ValueError(f"rounding must be 'rne' or 'sr', got {rounding!r}")
-    if rounding == "sr" and sr_seed is None:
-        raise ValueError("stochastic rounding needs sr_seed")
-    if scale_mode not in SCALE_MODE_IDS:
-        raise ValueError(f"scale_mode must be one of {tuple(SCALE_MODE_IDS)}, got {scale_mode!r}")
-    if hadamard_size is not None and hadamard_size not in HADAMARD_NORM:
-        raise ValueError(f"hadamard_size must be one of {sorted(HADAMARD_NORM)} or None, got {hadamard_size!r}")
-    align = max(32, hadamard_size or 1)
-    from_state = rounding == "sr" and isinstance(sr_seed, SRStream)
-    return dict(
-        KP=-(-K // align) * align, align=align, log2_h=(hadamard_size or 1).bit_length() - 1,
-        norm=HADAMARD_NORM[hadamard_size] if hadamard_size else 1.0,
-        has_signs=signs_seed is not None,
-        sign_key=as_int32(_lowbias32_int(signs_seed)) if signs_seed is not None else 0,
-        sr=rounding == "sr", sr_from_state=from_state, sr_state=sr_seed.state if from_state else None,
-        sr_key=0 if rounding != "sr" else (2 * sr_seed.gemm + sr_seed.operand if from_state  # the stream
-                                           else as_int32(sr_key(sr_seed))),
-        scale_mode=SCALE_MODE_IDS[scale_mode],
-    )
+def check_spec(spec: OperandSpec) -> None:
+    """The kernels' own limit on an operand's numerics (the spec checked the rest when it was made)."""
+    if not isinstance(spec, OperandSpec):
+        raise ValueError(f"the Triton kernels take an OperandSpec, got {type(spec).__name__}")
+    if spec.block_size != 32:
+        raise ValueError(f"the Triton kernels implement MX blocks of 32, got block_size={spec.block_size}")
+
+
+def sign_key(spec: OperandSpec) -> int:
+    """The key the kernels hash column indices with for the random signs (int32), 0 without signs."""
+    return as_int32(_lowbias32_int(spec.signs_seed)) if spec.signs_seed is not None else 0
+
+
+def sr_args(spec: OperandSpec) -> tuple[int, torch.Tensor | None]:
+    """The kernels' SR arguments ``(key, state)``: an int seed gives its key (int32) and no state;
+    an ``SRStream`` its stream ``2 * gemm + operand`` and its state tensor, from which the kernel
+    derives the key (``_sr_key_from_state``); RNE ``(0, None)``."""
+    if not spec.stochastic:
+        return 0, None
+    if isinstance(spec.sr_seed, SRStream):
+        return 2 * spec.sr_seed.gemm + spec.sr_seed.operand, spec.sr_seed.state
+    return as_int32(sr_key(spec.sr_seed)), None
 
 
 def quantize_operand_triton(
     x: torch.Tensor,
     dim: int,
+    spec: OperandSpec,
     *,
-    block_size: int = 32,
-    scale_mode: str = "even",
-    rounding: str = "rne",
-    hadamard_size: int | None = None,
-    signs_seed: int | None = None,
-    sr_seed: int | SRStream | None = None,
     packed: bool = True,
     e4m3: bool = False,
     sumsq: bool = False,
@@ -466,9 +454,9 @@ def quantize_operand_triton(
     k_splits: int | None = None,
     round_to_bf16: bool = False,
 ):
-    """Quantize 2-D ``x`` along ``dim`` with the fused kernel. Returns a dict with, as asked,
-    ``"mx"`` (MXFP4Tensor), ``"e4m3"`` ([R, KP] float8_e4m3fn), ``"row_scale"`` ([R] float32)
-    and ``"sumsq"`` ([R] float32); R = the other dim.
+    """Quantize 2-D ``x`` along ``dim`` as ``spec`` says, with the fused kernel. Returns a dict
+    with, as asked, ``"mx"`` (MXFP4Tensor), ``"e4m3"`` ([R, KP] float8_e4m3fn), ``"row_scale"``
+    ([R] float32) and ``"sumsq"`` ([R] float32); R = the other dim.
 
     ``round_to_bf16``: quantize ``x.to(torch.bfloat16)`` for a float32 ``x``, rounding in the
     kernel's loads (the same bits as the cast, without its pass over x).
@@ -480,6 +468,7 @@ def quantize_operand_triton(
         raise ValueError(f"quantize_operand_triton takes a 2-D operand, got shape {tuple(x.shape)}")
     if round_to_bf16 and x.dtype != torch.float32:
         raise ValueError(f"round_to_bf16 takes a float32 operand, got {x.dtype}")
+    check_spec(spec)
     dim = dim % 2
     cfg = launch_config(dim, e4m3)
     block_r = cfg["block_r"] if block_r is None else block_r
@@ -490,9 +479,7 @@ def quantize_operand_triton(
     arith_e2m1 = cfg["arith_e2m1"] if arith_e2m1 is None else arith_e2m1
     view = x if dim == 1 else x.t()  # logical [R, K]: K = contraction dim
     R, K = view.shape
-    op = operand_args(K, block_size=block_size, scale_mode=scale_mode, rounding=rounding,
-                      hadamard_size=hadamard_size, signs_seed=signs_seed, sr_seed=sr_seed)
-    KP, align = op["KP"], op["align"]
+    KP, align = spec.padded(K), spec.alignment
     if R * KP >= 2**32:
         raise ValueError(f"operand too large for 32-bit SR counters: {R} x {KP}")
     block_k = max(block_k, align)
@@ -520,18 +507,19 @@ def quantize_operand_triton(
     two_phase = e4m3 and not single  # the row maximum first (PHASE 1), then the emit (PHASE 2)
     epart = torch.empty((k_splits, R, 16), dtype=torch.uint8, device=dev) if two_phase else None
     dummy = dummy_pointer(dev)
+    key, state = sr_args(spec)
     grid = (row_programs, k_splits)
     args = (
         view, view.stride(0), view.stride(1),
         codes if packed else dummy, scales if packed else dummy,
         e4 if e4m3 else dummy, nan_bytes_view(e4) if e4m3 else dummy,
         rs if e4m3 else dummy, ss if sumsq else dummy, epart if two_phase else dummy,
-        R, K, KP, split_k, k_splits, op["sr_key"], dummy if op["sr_state"] is None else op["sr_state"],
-        op["sign_key"], op["norm"],
+        R, K, KP, split_k, k_splits, key, dummy if state is None else state, sign_key(spec), spec.hadamard_norm,
     )
     meta = dict(
-        BLOCK_R=block_r, BLOCK_K=block_k, LOG2_H=op["log2_h"], HAS_SIGNS=op["has_signs"],
-        SCALE_MODE=op["scale_mode"], SR=op["sr"], SR_FROM_STATE=op["sr_from_state"], SINGLE_CHUNK=single,
+        BLOCK_R=block_r, BLOCK_K=block_k, LOG2_H=spec.log2_hadamard, HAS_SIGNS=spec.signs_seed is not None,
+        SCALE_MODE=SCALE_MODE_IDS[spec.scale_mode], SR=spec.stochastic, SR_FROM_STATE=state is not None,
+        SINGLE_CHUNK=single,
         WRITE_PACKED=packed, WRITE_E4M3=e4m3, WRITE_SUMSQ=sumsq,
         NAN_BY_CAST=not INTERPRETED,
         FWHT_INPLACE=fwht_inplace, ARITH_E2M1=arith_e2m1, ROUND_BF16=round_to_bf16,
