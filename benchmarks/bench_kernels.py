@@ -65,9 +65,7 @@ QUANT_CONFIGS = [{},  # the library's default launch (kernels/quantize.py DEFAUL
                  dict(block_r=32, block_k=256, num_warps=8),
                  dict(block_r=16, block_k=128, num_warps=4),
                  dict(block_r=8, block_k=512, num_warps=4),
-                 dict(block_r=4, block_k=256, num_warps=2),
-                 dict(fwht_inplace=False),  # the constant-geometry butterfly
-                 dict(arith_e2m1=False)]  # the compare-chain E2M1 encoders
+                 dict(block_r=4, block_k=256, num_warps=2)]
 IHT = OperandSpec(hadamard_size=32)  # the operands' numerics: IHT 32, RNE unless a case says SR
 SINGLE_CONFIGS = ((1, 4), (1, 8), (2, 8), (4, 4), (8, 4))  # (rows per program, warps) of one chunk per row
 BOTH_TILES = ((64, 64, 4), (32, 128, 4), (64, 128, 8), (128, 64, 8), (128, 128, 8), (64, 64, 8), (32, 64, 4))

@@ -45,12 +45,9 @@ from adahop.kernels.launch import (
 from adahop.kernels.mxfp4_math import (
     SCALE_MODE_IDS,
     block_exponent,
-    e2m1_codes_rne,
     e2m1_rne_arith,
     e2m1_sr,
-    e2m1_value,
     fwht,
-    fwht_inplace,
     lowbias32,
     pow2,
 )
@@ -78,7 +75,7 @@ def _round_to_bf16(x, BY_CAST: tl.constexpr):
 def _load_transform(
     x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
-    FWHT_INPLACE: tl.constexpr, NORMED: tl.constexpr = True, ROUND_BF16: tl.constexpr = False,
+    NORMED: tl.constexpr = True, ROUND_BF16: tl.constexpr = False,
 ):
     """Load a ``[BLOCK_R, BLOCK_K]`` chunk as float32 and transform it. ``ROUND_BF16``: x is
     float32 and the operand is ``x.to(torch.bfloat16)``: each value is rounded to bfloat16 as it
@@ -91,14 +88,14 @@ def _load_transform(
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     if ROUND_BF16:
         x = _round_to_bf16(x, not INTERPRETED_JIT)
-    return _transform(x, cols, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE, NORMED)
+    return _transform(x, cols, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, NORMED)
 
 
 @triton.jit
 def _transform(
     x, cols, sign_key, norm,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
-    FWHT_INPLACE: tl.constexpr, NORMED: tl.constexpr = True,
+    NORMED: tl.constexpr = True,
 ):
     """Random signs (by column index ``cols``) and the block Hadamard along the last dim of a
     float32 ``[BLOCK_R, BLOCK_K]`` tile, as ``transforms.hadamard``. ``NORMED=False`` leaves out
@@ -109,10 +106,7 @@ def _transform(
         bit = lowbias32(cols.to(tl.uint32) ^ sign_key.to(tl.uint32)) >> 31
         x = x * (1.0 - 2.0 * bit.to(tl.float32))[None, :]
     if LOG2_H > 0:
-        if FWHT_INPLACE:
-            x = fwht_inplace(x, BLOCK_R, BLOCK_K, LOG2_H)
-        else:
-            x = fwht(x, BLOCK_R, BLOCK_K, LOG2_H)
+        x = fwht(x, BLOCK_R, BLOCK_K, LOG2_H)
         if NORMED:
             x = x * norm
     return x
@@ -174,7 +168,6 @@ def _emit_chunk(
     codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SR: tl.constexpr,
     WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr, NAN_BY_CAST: tl.constexpr,
-    ARITH_E2M1: tl.constexpr,
 ):
     """Round one transformed chunk and write its scale bytes, packed codes and/or e4m3 form.
 
@@ -201,10 +194,8 @@ def _emit_chunk(
         r = lowbias32(pairs ^ sr_key.to(tl.uint32))
         bits = tl.reshape(tl.join(r & 0xFFFF, r >> 16), (BLOCK_R, NB, 32)).to(tl.int32)
         c, mag = e2m1_sr(a, bits)
-    elif ARITH_E2M1:
-        c, mag = e2m1_rne_arith(a)
     else:
-        c = e2m1_codes_rne(a)
+        c, mag = e2m1_rne_arith(a)
     vbits = v.to(tl.int32, bitcast=True)
     if WRITE_PACKED:
         code = tl.reshape(c | ((vbits >> 28) & 8), (BLOCK_R, NB, 16, 2))  # sign -> bit 3
@@ -219,10 +210,9 @@ def _emit_chunk(
     if WRITE_E4M3:
         e_ref = e_rowmax[:, None]
         shift = tl.maximum(e - e_ref + 6, -126)  # below that it is 0 in e4m3 anyway
-        m = mag if ARITH_E2M1 else e2m1_value(c)
         # v's sign bit on the magnitude (a zero keeps it: -0 gives the e4m3 byte 0x80, as the
         # reference), then the power of two: the same value as signing the product.
-        m = (m.to(tl.int32, bitcast=True) | (vbits & -2147483648)).to(tl.float32, bitcast=True)
+        m = (mag.to(tl.int32, bitcast=True) | (vbits & -2147483648)).to(tl.float32, bitcast=True)
         scale = pow2(shift)
         if NAN_BY_CAST:
             # Non-finite blocks: NaN by their factor, one select per block instead of one per
@@ -297,8 +287,7 @@ def _mxfp4_quantize_kernel(
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
     SCALE_MODE: tl.constexpr, SR: tl.constexpr, SR_FROM_STATE: tl.constexpr, SINGLE_CHUNK: tl.constexpr,
     WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr, WRITE_SUMSQ: tl.constexpr,
-    NAN_BY_CAST: tl.constexpr, FWHT_INPLACE: tl.constexpr, ARITH_E2M1: tl.constexpr,
-    PHASE: tl.constexpr, ROUND_BF16: tl.constexpr,
+    NAN_BY_CAST: tl.constexpr, PHASE: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
     """Program (i, s) owns rows [i * BLOCK_R, (i + 1) * BLOCK_R) and the K range
     [s * SPLIT_K, (s + 1) * SPLIT_K) (SPLIT_K = KP: one range per row). PHASE 0 does everything
@@ -319,7 +308,7 @@ def _mxfp4_quantize_kernel(
 
     if SINGLE_CHUNK:  # the whole (padded) row fits one chunk: one read, one transform
         x = _load_transform(x_ptr, stride_r, stride_k, rows, 0, R, K, sign_key, norm,
-                            BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE, True, ROUND_BF16)
+                            BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, True, ROUND_BF16)
         e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
         e_rowmax = tl.max(tl.where(finite, e, -127), axis=1)
         if WRITE_E4M3:
@@ -329,12 +318,12 @@ def _mxfp4_quantize_kernel(
         # k0 = k_lo (0 here) as a tensor: _emit_chunk states its divisibility (tl.multiple_of)
         _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, k_lo, KP, sr_key,
                     codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr,
-                    BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_E2M1)
+                    BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST)
     elif PHASE == 1:  # largest block exponent of this K range, for PHASE 2
         e_part = tl.full((BLOCK_R,), -127, tl.int32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm,
-                                BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE, False, ROUND_BF16)
+                                BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, False, ROUND_BF16)
             e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE, norm)
             e_part = tl.maximum(e_part, tl.max(tl.where(finite, e, -127), axis=1))
             _store_row_exponent(epart_ptr + sid * R * 16, e_part, e, rows, row_ok, k0 + BLOCK_K >= k_hi,
@@ -348,13 +337,13 @@ def _mxfp4_quantize_kernel(
         sumsq = tl.zeros((BLOCK_R,), tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm,
-                                BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE, True, ROUND_BF16)
+                                BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, True, ROUND_BF16)
             if WRITE_SUMSQ:
                 sumsq += tl.sum(x * x, axis=1)
             e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
             _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, k0, KP, sr_key,
                         codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr,
-                        BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_E2M1)
+                        BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST)
         if WRITE_SUMSQ:
             tl.store(sumsq_ptr + sid * R + rows, sumsq, mask=row_ok)
 
@@ -363,14 +352,12 @@ _QUANTIZE = FastLauncher(_mxfp4_quantize_kernel)
 
 # Launch configurations by (quantization dim of the 2-D operand, e4m3 output?): block_r rows per
 # program, block_k columns per chunk, warps, the longest padded row handled in one chunk (one
-# read and one launch instead of two for the e4m3 form), the butterfly form and the E2M1 encoder.
-# Measured on the H200 with x [16384, 4096] bf16 (docs/kernels.md, 'The quantize kernels'): 16 x 256
-# with 4 warps and the in-place butterfly is the fastest for 4 of the 5 variants; the arithmetic RNE
-# encoder beats the compare chain in every variant (IHT e4m3 along K: 0.277 ms against 0.334; SR is
-# always arithmetic: ``e2m1_sr``). One chunk per row: slower for every operand of the (14336, 4096)
-# layer (rows of 4,096-16,384), faster for rows of 768-2,048 at (2048, 768) (0.062-0.103 ms against
-# 0.112-0.144 ms for the two passes, with 8,192 elements per program), hence up to 2,048.
-DEFAULT_LAUNCH = dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=2048, fwht_inplace=True, arith_e2m1=True)
+# read and one launch instead of two for the e4m3 form). Measured on the H200 with x [16384, 4096]
+# bf16 (docs/kernels.md, 'The quantize kernels'): 16 x 256 with 4 warps is the fastest for 4 of the
+# 5 variants. One chunk per row: slower for every operand of the (14336, 4096) layer (rows of
+# 4,096-16,384), faster for rows of 768-2,048 at (2048, 768) (0.062-0.103 ms against 0.112-0.144 ms
+# for the two passes, with 8,192 elements per program), hence up to 2,048.
+DEFAULT_LAUNCH = dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=2048)
 SINGLE_CHUNK_ELEMENTS = 8192  # per program, when a row is one chunk
 LAUNCH_CONFIGS: dict[tuple[int, bool], dict] = {}
 
@@ -449,8 +436,6 @@ def quantize_operand_triton(
     block_k: int | None = None,
     num_warps: int | None = None,
     single_chunk_max: int | None = None,
-    fwht_inplace: bool | None = None,
-    arith_e2m1: bool | None = None,
     k_splits: int | None = None,
     round_to_bf16: bool = False,
 ):
@@ -475,8 +460,6 @@ def quantize_operand_triton(
     block_k = cfg["block_k"] if block_k is None else block_k
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
     single_chunk_max = cfg["single_chunk_max"] if single_chunk_max is None else single_chunk_max
-    fwht_inplace = cfg["fwht_inplace"] if fwht_inplace is None else fwht_inplace
-    arith_e2m1 = cfg["arith_e2m1"] if arith_e2m1 is None else arith_e2m1
     view = x if dim == 1 else x.t()  # logical [R, K]: K = contraction dim
     R, K = view.shape
     KP, align = spec.padded(K), spec.alignment
@@ -522,7 +505,7 @@ def quantize_operand_triton(
         SINGLE_CHUNK=single,
         WRITE_PACKED=packed, WRITE_E4M3=e4m3, WRITE_SUMSQ=sumsq,
         NAN_BY_CAST=not INTERPRETED,
-        FWHT_INPLACE=fwht_inplace, ARITH_E2M1=arith_e2m1, ROUND_BF16=round_to_bf16,
+        ROUND_BF16=round_to_bf16,
         num_warps=num_warps,
     )
     if KP == 0:  # no blocks, nothing to launch: an empty row's largest exponent is -127

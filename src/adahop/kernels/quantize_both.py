@@ -96,7 +96,7 @@ def _quantize_both_kernel(
         if SUMSQ_B:
             tl.store(ssb_ptr + pid_r * C + cols, tl.sum(x * x, axis=0), mask=cols < C)
     # PHASE 1 needs A's block exponents only: the butterfly without its norm (_blocks applies it)
-    xa = _transform(x, cols, sign_key_a, norm_a, BLOCK_R, BLOCK_C, LOG2_HA, HAS_SIGNS_A, True, PHASE == 2)
+    xa = _transform(x, cols, sign_key_a, norm_a, BLOCK_R, BLOCK_C, LOG2_HA, HAS_SIGNS_A, PHASE == 2)
     ea, fina = _blocks(xa, BLOCK_R, BLOCK_C, SCALE_MODE_A, 1.0 if PHASE == 2 else norm_a)
     rows_a_ok = rows < R
     rows_b_ok = cols < C
@@ -104,18 +104,18 @@ def _quantize_both_kernel(
         if PHASE == 1:
             ma = tl.max(tl.where(fina, ea, -127), axis=1)
             _store_row_exponent(parta_ptr + pid_c * R * 16, ma, ea, rows, rows_a_ok, True, BLOCK_R, BLOCK_C)
-            xb = _transform(tl.trans(x), rows, sign_key_b, norm_b, BLOCK_C, BLOCK_R, LOG2_HB, HAS_SIGNS_B, True)
+            xb = _transform(tl.trans(x), rows, sign_key_b, norm_b, BLOCK_C, BLOCK_R, LOG2_HB, HAS_SIGNS_B)
             eb, finb = _blocks(xb, BLOCK_C, BLOCK_R, SCALE_MODE_B)
             _emit_chunk(xb, eb, finb, tl.zeros((BLOCK_C,), tl.int32), cols, rows_b_ok, pid_r * BLOCK_R, RP, sr_key_b,
                         codes_b_ptr, scales_b_ptr, e4b_ptr, e4b_bits_ptr,
-                        BLOCK_C, BLOCK_R, SR_B, True, False, NAN_BY_CAST, True)
+                        BLOCK_C, BLOCK_R, SR_B, True, False, NAN_BY_CAST)
         else:
             emax_a = tl.load(emaxa_ptr + rows, mask=rows_a_ok, other=0).to(tl.int32) - 127
             tl.store(rsa_ptr + rows, pow2(emax_a - 6), mask=rows_a_ok & (pid_c == 0))
             _emit_chunk(xa, ea, fina, emax_a, rows, rows_a_ok, pid_c * BLOCK_C, CP, sr_key_a,
-                        e4a_ptr, e4a_ptr, e4a_ptr, e4a_bits_ptr, BLOCK_R, BLOCK_C, SR_A, False, True, NAN_BY_CAST, True)
+                        e4a_ptr, e4a_ptr, e4a_ptr, e4a_bits_ptr, BLOCK_R, BLOCK_C, SR_A, False, True, NAN_BY_CAST)
     else:
-        xb = _transform(tl.trans(x), rows, sign_key_b, norm_b, BLOCK_C, BLOCK_R, LOG2_HB, HAS_SIGNS_B, True, PHASE == 2)
+        xb = _transform(tl.trans(x), rows, sign_key_b, norm_b, BLOCK_C, BLOCK_R, LOG2_HB, HAS_SIGNS_B, PHASE == 2)
         eb, finb = _blocks(xb, BLOCK_C, BLOCK_R, SCALE_MODE_B, 1.0 if PHASE == 2 else norm_b)
         if PHASE == 1:
             ma = tl.max(tl.where(fina, ea, -127), axis=1)
@@ -128,9 +128,9 @@ def _quantize_both_kernel(
             tl.store(rsa_ptr + rows, pow2(emax_a - 6), mask=rows_a_ok & (pid_c == 0))
             tl.store(rsb_ptr + cols, pow2(emax_b - 6), mask=rows_b_ok & (pid_r == 0))
             _emit_chunk(xa, ea, fina, emax_a, rows, rows_a_ok, pid_c * BLOCK_C, CP, sr_key_a,
-                        e4a_ptr, e4a_ptr, e4a_ptr, e4a_bits_ptr, BLOCK_R, BLOCK_C, SR_A, False, True, NAN_BY_CAST, True)
+                        e4a_ptr, e4a_ptr, e4a_ptr, e4a_bits_ptr, BLOCK_R, BLOCK_C, SR_A, False, True, NAN_BY_CAST)
             _emit_chunk(xb, eb, finb, emax_b, cols, rows_b_ok, pid_r * BLOCK_R, RP, sr_key_b,
-                        e4b_ptr, e4b_ptr, e4b_ptr, e4b_bits_ptr, BLOCK_C, BLOCK_R, SR_B, False, True, NAN_BY_CAST, True)
+                        e4b_ptr, e4b_ptr, e4b_ptr, e4b_bits_ptr, BLOCK_C, BLOCK_R, SR_B, False, True, NAN_BY_CAST)
 
 
 _QUANTIZE_BOTH = FastLauncher(_quantize_both_kernel)
