@@ -16,9 +16,7 @@ the kernels implement MX blocks of 32 only. Outputs (all row-major, K padded to 
   ``e2m1 value * 2**(e_block - e_rowmax + 6)``, row scale = ``2**(e_rowmax - 6)``. The product is
   exactly the MXFP4 value wherever ``e_block >= e_rowmax - 14`` (e4m3's 4 exponent bits and its
   subnormals hold 14 binades below 6 * 2**6 = 384 <= 448); a block further below its row's
-  largest is rounded to e4m3 (an error under 2**-15 of the row maximum);
-* the sum of squares of each row after the transform (the Hadamard is orthonormal, so it is the
-  row's squared L2 norm): what outlier extraction ranks its top-k slices by.
+  largest is rounded to e4m3 (an error under 2**-15 of the row maximum).
 
 The e4m3 form needs each row's largest block exponent before it writes the first element, so it
 takes two passes over K, in two launches: the first (PHASE 1) writes each K range's largest
@@ -282,12 +280,12 @@ def _sr_key_from_state(state_ptr, stream):
 @triton.jit(do_not_specialize=["sr_key", "sign_key"])
 def _mxfp4_quantize_kernel(
     x_ptr, stride_r, stride_k,
-    codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, rowscale_ptr, sumsq_ptr, epart_ptr,
+    codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, rowscale_ptr, epart_ptr,
     R, K, KP, SPLIT_K, n_splits, sr_key, sr_state_ptr, sign_key, norm,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
     SCALE_MODE: tl.constexpr, SR: tl.constexpr, SR_FROM_STATE: tl.constexpr, SINGLE_CHUNK: tl.constexpr,
-    WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr, WRITE_SUMSQ: tl.constexpr,
-    NAN_BY_CAST: tl.constexpr, PHASE: tl.constexpr, ROUND_BF16: tl.constexpr,
+    WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr, NAN_BY_CAST: tl.constexpr,
+    PHASE: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
     """Program (i, s) owns rows [i * BLOCK_R, (i + 1) * BLOCK_R) and the K range
     [s * SPLIT_K, (s + 1) * SPLIT_K) (SPLIT_K = KP: one range per row). PHASE 0 does everything
@@ -313,8 +311,6 @@ def _mxfp4_quantize_kernel(
         e_rowmax = tl.max(tl.where(finite, e, -127), axis=1)
         if WRITE_E4M3:
             tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok)
-        if WRITE_SUMSQ:
-            tl.store(sumsq_ptr + rows, tl.sum(x * x, axis=1), mask=row_ok)
         # k0 = k_lo (0 here) as a tensor: _emit_chunk states its divisibility (tl.multiple_of)
         _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, k_lo, KP, sr_key,
                     codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr,
@@ -334,18 +330,13 @@ def _mxfp4_quantize_kernel(
             for sp in range(0, n_splits):
                 e_rowmax = tl.maximum(e_rowmax, _load_row_exponent(epart_ptr + sp * R * 16, rows, row_ok))
             tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok & (sid == 0))
-        sumsq = tl.zeros((BLOCK_R,), tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm,
                                 BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, True, ROUND_BF16)
-            if WRITE_SUMSQ:
-                sumsq += tl.sum(x * x, axis=1)
             e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
             _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, k0, KP, sr_key,
                         codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr,
                         BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST)
-        if WRITE_SUMSQ:
-            tl.store(sumsq_ptr + sid * R + rows, sumsq, mask=row_ok)
 
 
 _QUANTIZE = FastLauncher(_mxfp4_quantize_kernel)
@@ -431,7 +422,6 @@ def quantize_operand_triton(
     *,
     packed: bool = True,
     e4m3: bool = False,
-    sumsq: bool = False,
     block_r: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
@@ -440,15 +430,14 @@ def quantize_operand_triton(
     round_to_bf16: bool = False,
 ):
     """Quantize 2-D ``x`` along ``dim`` as ``spec`` says, with the fused kernel. Returns a dict
-    with, as asked, ``"mx"`` (MXFP4Tensor), ``"e4m3"`` ([R, KP] float8_e4m3fn), ``"row_scale"``
-    ([R] float32) and ``"sumsq"`` ([R] float32); R = the other dim.
+    with, as asked, ``"mx"`` (MXFP4Tensor), ``"e4m3"`` ([R, KP] float8_e4m3fn) and
+    ``"row_scale"`` ([R] float32); R = the other dim.
 
     ``round_to_bf16``: quantize ``x.to(torch.bfloat16)`` for a float32 ``x``, rounding in the
     kernel's loads (the same bits as the cast, without its pass over x).
 
     ``k_splits``: programs per row group along K (None: enough to fill the GPU, see
-    ``auto_k_splits``; 1 on the CPU). Splitting changes nothing in the result but the order of
-    ``sumsq``'s float additions."""
+    ``auto_k_splits``; 1 on the CPU). Splitting changes nothing in the result."""
     if x.dim() != 2:
         raise ValueError(f"quantize_operand_triton takes a 2-D operand, got shape {tuple(x.shape)}")
     if round_to_bf16 and x.dtype != torch.float32:
@@ -486,7 +475,6 @@ def quantize_operand_triton(
     scales = torch.empty((R, KP // 32), dtype=torch.uint8, device=dev) if packed else None
     e4 = torch.empty((R, KP), dtype=torch.float8_e4m3fn, device=dev) if e4m3 else None
     rs = torch.empty((R,), dtype=torch.float32, device=dev) if e4m3 else None
-    ss = torch.empty((k_splits, R), dtype=torch.float32, device=dev) if sumsq else None
     two_phase = e4m3 and not single  # the row maximum first (PHASE 1), then the emit (PHASE 2)
     epart = torch.empty((k_splits, R, 16), dtype=torch.uint8, device=dev) if two_phase else None
     dummy = dummy_pointer(dev)
@@ -496,14 +484,14 @@ def quantize_operand_triton(
         view, view.stride(0), view.stride(1),
         codes if packed else dummy, scales if packed else dummy,
         e4 if e4m3 else dummy, nan_bytes_view(e4) if e4m3 else dummy,
-        rs if e4m3 else dummy, ss if sumsq else dummy, epart if two_phase else dummy,
+        rs if e4m3 else dummy, epart if two_phase else dummy,
         R, K, KP, split_k, k_splits, key, dummy if state is None else state, sign_key(spec), spec.hadamard_norm,
     )
     meta = dict(
         BLOCK_R=block_r, BLOCK_K=block_k, LOG2_H=spec.log2_hadamard, HAS_SIGNS=spec.signs_seed is not None,
         SCALE_MODE=SCALE_MODE_IDS[spec.scale_mode], SR=spec.stochastic, SR_FROM_STATE=state is not None,
         SINGLE_CHUNK=single,
-        WRITE_PACKED=packed, WRITE_E4M3=e4m3, WRITE_SUMSQ=sumsq,
+        WRITE_PACKED=packed, WRITE_E4M3=e4m3,
         NAN_BY_CAST=not INTERPRETED,
         ROUND_BF16=round_to_bf16,
         num_warps=num_warps,
@@ -511,21 +499,15 @@ def quantize_operand_triton(
     if KP == 0:  # no blocks, nothing to launch: an empty row's largest exponent is -127
         if e4m3:
             rs.fill_(2.0**-133)
-        if sumsq:
-            ss.zero_()
     else:
         if two_phase:
             _QUANTIZE[grid](*args, PHASE=1, **meta)
         _QUANTIZE[grid](*args, PHASE=2 if two_phase else 0, **meta)
-    if sumsq and k_splits > 1:
-        ss = ss.sum(0, keepdim=True)
     out = {}
     if packed:
         out["mx"] = MXFP4Tensor(codes, scales, x.shape, dim, 32)
     if e4m3:
         out["e4m3"] = e4
         out["row_scale"] = rs
-    if sumsq:
-        out["sumsq"] = ss[0]
     return out
 
