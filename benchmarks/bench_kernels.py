@@ -44,6 +44,7 @@ from common import (
 
 from adahop.kernels.quantize import quantize_operand_triton
 from adahop.kernels.unpack import unpack_to_e4m3
+from adahop.ops import OperandSpec
 
 SECTIONS = ("quant", "split", "single", "both", "bothx", "oe")
 COPY_BYTES = 2**30  # the copy the quantize kernels' bandwidth is compared with
@@ -64,9 +65,8 @@ QUANT_CONFIGS = [{},  # the library's default launch (kernels/quantize.py DEFAUL
                  dict(block_r=32, block_k=256, num_warps=8),
                  dict(block_r=16, block_k=128, num_warps=4),
                  dict(block_r=8, block_k=512, num_warps=4),
-                 dict(block_r=4, block_k=256, num_warps=2),
-                 dict(fwht_inplace=False),  # the constant-geometry butterfly
-                 dict(arith_e2m1=False)]  # the compare-chain E2M1 encoders
+                 dict(block_r=4, block_k=256, num_warps=2)]
+IHT = OperandSpec(hadamard_size=32)  # the operands' numerics: IHT 32, RNE unless a case says SR
 SINGLE_CONFIGS = ((1, 4), (1, 8), (2, 8), (4, 4), (8, 4))  # (rows per program, warps) of one chunk per row
 BOTH_TILES = ((64, 64, 4), (32, 128, 4), (64, 128, 8), (128, 64, 8), (128, 128, 8), (64, 64, 8), (32, 64, 4))
 
@@ -80,15 +80,15 @@ def section_quant() -> list[dict]:
     copy_gbs = 2 * src.numel() / t_copy / 1e6  # bytes read + written
     x = activation(QUANT_SHAPE)
     R, K = x.shape
+    iht_sr = OperandSpec(hadamard_size=32, rounding="sr", sr_seed=1)
     variants = [  # (name, kwargs, bytes moved, launch-config key to tune, or the key to reuse)
-        ("x along K -> e4m3, IHT 32", dict(dim=1, e4m3=True, packed=False, hadamard_size=32), R * K * 3, (1, True)),
-        ("x along K -> e4m3, no Hadamard", dict(dim=1, e4m3=True, packed=False), R * K * 3, "reuse"),
-        ("x along K -> e4m3, IHT 32, SR", dict(dim=1, e4m3=True, packed=False, hadamard_size=32, rounding="sr",
-                                               sr_seed=1), R * K * 3, "reuse"),
-        ("x along T -> packed, IHT 32 (saved)", dict(dim=0, hadamard_size=32), R * K * 2 + R * K * 17 // 32,
-         (0, False)),
-        ("x along T -> e4m3, IHT 32", dict(dim=0, e4m3=True, packed=False, hadamard_size=32), R * K * 3, (0, True)),
-        ("x along K -> packed, IHT 32", dict(dim=1, hadamard_size=32), R * K * 2 + R * K * 17 // 32, (1, False)),
+        ("x along K -> e4m3, IHT 32", dict(dim=1, spec=IHT, e4m3=True, packed=False), R * K * 3, (1, True)),
+        ("x along K -> e4m3, no Hadamard", dict(dim=1, spec=OperandSpec(), e4m3=True, packed=False), R * K * 3,
+         "reuse"),
+        ("x along K -> e4m3, IHT 32, SR", dict(dim=1, spec=iht_sr, e4m3=True, packed=False), R * K * 3, "reuse"),
+        ("x along T -> packed, IHT 32 (saved)", dict(dim=0, spec=IHT), R * K * 2 + R * K * 17 // 32, (0, False)),
+        ("x along T -> e4m3, IHT 32", dict(dim=0, spec=IHT, e4m3=True, packed=False), R * K * 3, (0, True)),
+        ("x along K -> packed, IHT 32", dict(dim=1, spec=IHT), R * K * 2 + R * K * 17 // 32, (1, False)),
     ]
     configs = QUANT_CONFIGS
     tuned = {}
@@ -114,7 +114,7 @@ def section_quant() -> list[dict]:
         rows.append(dict(variant=name, ms=t, GBps=gbs, copy_GBps=copy_gbs, frac_of_copy=gbs / copy_gbs,
                          config=cfg or "default", every_config=every))
         print("  quant", rows[-1], flush=True)
-    q = quantize_operand_triton(x, 0, hadamard_size=32)["mx"]
+    q = quantize_operand_triton(x, 0, IHT)["mx"]
     t = bench(lambda: unpack_to_e4m3(q))
     nb = R * K * 17 // 32 + R * K
     rows.append(dict(variant="unpack packed -> e4m3", ms=t, GBps=nb / t / 1e6, copy_GBps=copy_gbs,
@@ -128,7 +128,7 @@ def section_split() -> list[dict]:
     rows = []
     for name, shape, dim, e4m3 in SPLIT_CASES:
         x = activation(shape)
-        kw = dict(dim=dim, hadamard_size=32, e4m3=e4m3, packed=not e4m3)
+        kw = dict(dim=dim, spec=IHT, e4m3=e4m3, packed=not e4m3)
         one = quantize_operand_triton(x, k_splits=1, **kw)
         auto = quantize_operand_triton(x, **kw)
         same = same_bits(one, auto)
@@ -147,18 +147,19 @@ def section_single(N: int, K: int) -> list[dict]:
     x = activation((T, K))
     w = activation((N, K), seed=3)
     g = activation((T, N), seed=5)
-    cases = [  # (name, tensor, dim, kwargs)
-        ("x along K -> e4m3 RNE", x, 1, dict(e4m3=True, packed=False)),
-        ("w along K -> e4m3 RNE", w, 1, dict(e4m3=True, packed=False)),
-        ("w along N -> e4m3 RNE", w, 0, dict(e4m3=True, packed=False)),
-        ("g along N -> e4m3 SR", g, 1, dict(e4m3=True, packed=False, rounding="sr", sr_seed=3)),
-        ("g along T -> e4m3 SR", g, 0, dict(e4m3=True, packed=False, rounding="sr", sr_seed=4)),
-        ("x along T -> packed RNE (saved)", x, 0, dict()),
+    e4m3 = dict(e4m3=True, packed=False)
+    cases = [  # (name, tensor, dim, spec, kwargs)
+        ("x along K -> e4m3 RNE", x, 1, IHT, e4m3),
+        ("w along K -> e4m3 RNE", w, 1, IHT, e4m3),
+        ("w along N -> e4m3 RNE", w, 0, IHT, e4m3),
+        ("g along N -> e4m3 SR", g, 1, OperandSpec(hadamard_size=32, rounding="sr", sr_seed=3), e4m3),
+        ("g along T -> e4m3 SR", g, 0, OperandSpec(hadamard_size=32, rounding="sr", sr_seed=4), e4m3),
+        ("x along T -> packed RNE (saved)", x, 0, IHT, {}),
     ]
     rows = []
-    for name, t, dim, kw in cases:
-        kw = dict(kw, dim=dim, hadamard_size=32)
-        KP = -(-t.shape[dim] // 32) * 32
+    for name, t, dim, spec, kw in cases:
+        kw = dict(kw, dim=dim, spec=spec)
+        KP = spec.padded(t.shape[dim])
         base = quantize_operand_triton(t, **kw)
         row = dict(layer=(N, K), case=name, KP=KP,
                    default_ms=bench(lambda: quantize_operand_triton(t, **kw), rep=50))  # noqa: B023
@@ -185,12 +186,12 @@ def section_both() -> list[dict]:
     rows = []
     for N in BOTH_N:
         g = activation((T, N), seed=5)
-        cols = dict(hadamard_size=32, rounding="sr", sr_seed=3)
-        rws = dict(hadamard_size=32, rounding="sr", sr_seed=4)
+        cols = OperandSpec(hadamard_size=32, rounding="sr", sr_seed=3)
+        rws = OperandSpec(hadamard_size=32, rounding="sr", sr_seed=4)
 
         def two():
-            return (quantize_operand_triton(g, 1, e4m3=True, packed=False, **cols),  # noqa: B023
-                    quantize_operand_triton(g, 0, e4m3=True, packed=False, **rws))  # noqa: B023
+            return (quantize_operand_triton(g, 1, cols, e4m3=True, packed=False),  # noqa: B023
+                    quantize_operand_triton(g, 0, rws, e4m3=True, packed=False))  # noqa: B023
 
         want = two()
         row = {"g": (T, N), "two_calls_ms": bench(two, rep=50)}
@@ -218,11 +219,11 @@ def section_both_x() -> list[dict]:
     rows = []
     for K in BOTHX_K:
         x = activation((T, K))
-        cols, rws = dict(hadamard_size=32), dict(hadamard_size=32)
+        cols = rws = IHT
 
         def separate():
-            return (quantize_operand_triton(x, 1, e4m3=True, packed=False, **cols),  # noqa: B023
-                    quantize_operand_triton(x, 0, **rws))  # noqa: B023
+            return (quantize_operand_triton(x, 1, cols, e4m3=True, packed=False),  # noqa: B023
+                    quantize_operand_triton(x, 0, rws))  # noqa: B023
 
         want_a, want_b = separate()
         got_a, got_b = quantize_both(x, cols, rws, rows_form="packed")

@@ -46,6 +46,7 @@ def section_stream() -> list[dict]:
     from adahop.formats.rng import SRStream, mix_seeds_from
     from adahop.kernels.quantize import quantize_operand_triton
     from adahop.kernels.quantize_both import quantize_both
+    from adahop.ops import OperandSpec
 
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -53,16 +54,18 @@ def section_stream() -> list[dict]:
     for prefix, call, gemm, operand in ((12345, 7, 1, 0), (2**32 - 5, 2**33 + 3, 2, 1)):
         stream = SRStream(torch.tensor([prefix, call], device="cuda"), gemm, operand)
         seed = mix_seeds_from(prefix, call, gemm, operand)
+        by_int, by_stream = (OperandSpec(rounding="sr", sr_seed=s, hadamard_size=32) for s in (seed, stream))
         for dim in (0, 1):
             for form in ("packed", "e4m3"):
-                kw = dict(rounding="sr", hadamard_size=32, packed=form == "packed", e4m3=form == "e4m3")
-                a = quantize_operand_triton(x, dim, sr_seed=seed, **kw)
-                b = quantize_operand_triton(x, dim, sr_seed=stream, **kw)
+                kw = dict(packed=form == "packed", e4m3=form == "e4m3")
+                a = quantize_operand_triton(x, dim, by_int, **kw)
+                b = quantize_operand_triton(x, dim, by_stream, **kw)
                 same = (torch.equal(a["mx"].codes, b["mx"].codes) if form == "packed"
                         else torch.equal(a["e4m3"].view(torch.uint8), b["e4m3"].view(torch.uint8)))
                 rows.append(dict(kernel="quantize", call=call, dim=dim, form=form, same_bits=same))
-        a = quantize_both(x, dict(rounding="sr", sr_seed=seed), dict(rounding="sr", sr_seed=seed))
-        b = quantize_both(x, dict(rounding="sr", sr_seed=stream), dict(rounding="sr", sr_seed=stream))
+        by_int, by_stream = (OperandSpec(rounding="sr", sr_seed=s) for s in (seed, stream))
+        a = quantize_both(x, by_int, by_int)
+        b = quantize_both(x, by_stream, by_stream)
         same = all(torch.equal(p["e4m3"].view(torch.uint8), q["e4m3"].view(torch.uint8)) for p, q in zip(a, b))
         rows.append(dict(kernel="quantize_both", call=call, same_bits=same))
     return rows

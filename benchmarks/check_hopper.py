@@ -82,7 +82,7 @@ def check_quantize() -> list[dict]:
         x = activation(shape, seed=len(rows))
         spec = OperandSpec(scale_mode=mode, rounding=rnd, hadamard_size=h, sr_seed=99)
         ref = quantize_operand(x, dim, spec)
-        out = quantize_operand_triton(x, dim, scale_mode=mode, rounding=rnd, hadamard_size=h, sr_seed=99, e4m3=True)
+        out = quantize_operand_triton(x, dim, spec, e4m3=True)
         same = torch.equal(out["mx"].codes, ref.codes) and torch.equal(out["mx"].scale_e8m0, ref.scale_e8m0)
         deq = dequantize_mxfp4(ref, keep_padding=True)
         fold = out["e4m3"].float() * out["row_scale"][:, None]

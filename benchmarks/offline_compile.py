@@ -96,28 +96,29 @@ def library_launches() -> None:
     from adahop.kernels.quantize_both import quantize_both
     from adahop.kernels.topk import topk_indices
     from adahop.kernels.unpack import unpack_to_e4m3
+    from adahop.ops import OperandSpec
 
     x = torch.randn(64, 4096).to(torch.bfloat16)
     small = x[:, :768]
-    sr = dict(rounding="sr", sr_seed=1)
+    iht = OperandSpec(hadamard_size=32)
+    iht_sr, iht_sr2 = (OperandSpec(hadamard_size=32, rounding="sr", sr_seed=seed) for seed in (1, 2))
     for rows in (small, x):  # one chunk per row (K <= 2048), two passes
-        quantize_operand_triton(rows, 1, hadamard_size=32)
-        quantize_operand_triton(rows, 1, hadamard_size=32, e4m3=True, packed=False)
-        quantize_operand_triton(rows, 1, hadamard_size=32, e4m3=True, packed=False, **sr)
-    quantize_operand_triton(x, 0, hadamard_size=32, **sr)  # along dim 0 (strided view)
-    quantize_operand_triton(x, 1, hadamard_size=32, e4m3=True, packed=False, k_splits=2)
-    quantize_operand_triton(x, 1, e4m3=True, packed=False)  # no Hadamard
+        quantize_operand_triton(rows, 1, iht)
+        quantize_operand_triton(rows, 1, iht, e4m3=True, packed=False)
+        quantize_operand_triton(rows, 1, iht_sr, e4m3=True, packed=False)
+    quantize_operand_triton(x, 0, iht_sr)  # along dim 0 (strided view)
+    quantize_operand_triton(x, 1, iht, e4m3=True, packed=False, k_splits=2)
+    quantize_operand_triton(x, 1, OperandSpec(), e4m3=True, packed=False)  # no Hadamard
     w = x.float()  # a float32 weight rounded to bf16 in the loads (both passes, both orientations)
-    quantize_operand_triton(w, 1, hadamard_size=32, e4m3=True, packed=False, round_to_bf16=True)
-    quantize_operand_triton(w, 0, hadamard_size=32, e4m3=True, packed=False, round_to_bf16=True)
+    quantize_operand_triton(w, 1, iht, e4m3=True, packed=False, round_to_bf16=True)
+    quantize_operand_triton(w, 0, iht, e4m3=True, packed=False, round_to_bf16=True)
     for mode in ("floor", "ceil", "rceil"):
-        quantize_operand_triton(small, 1, hadamard_size=32, scale_mode=mode, signs_seed=3)
-    iht = dict(hadamard_size=32)
-    quantize_both(x, dict(iht, **sr), dict(iht, rounding="sr", sr_seed=2))
-    quantize_both(x, dict(iht, **sr), dict(iht, rounding="sr", sr_seed=2), row_norms=True)
+        quantize_operand_triton(small, 1, OperandSpec(hadamard_size=32, scale_mode=mode, signs_seed=3))
+    quantize_both(x, iht_sr, iht_sr2)
+    quantize_both(x, iht_sr, iht_sr2, row_norms=True)
     quantize_both(x, iht, iht, rows_form="packed")
     quantize_both(x, iht, iht, rows_form="packed", col_norms=True)
-    unpack_to_e4m3(quantize_operand_triton(x, 0, hadamard_size=32)["mx"])
+    unpack_to_e4m3(quantize_operand_triton(x, 0, iht)["mx"])
     topk_indices(torch.rand(4096), 64)
     topk_indices(torch.rand(14336), 64)
     topk_indices(torch.rand(20000), 64)  # 32,768 in registers, 16 warps

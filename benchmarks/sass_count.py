@@ -34,6 +34,7 @@ from offline_compile import compile_launches
 
 from adahop.kernels.quantize import quantize_operand_triton
 from adahop.kernels.quantize_both import quantize_both
+from adahop.ops import OperandSpec
 
 CLASSES = {
     "conversions": ("F2I", "I2F", "FRND", "F2F", "F2FP", "I2FP"),
@@ -41,7 +42,6 @@ CLASSES = {
     "shuffles": ("SHFL",),
     "shared memory": ("STS", "LDS"),
 }
-SR = dict(rounding="sr", sr_seed=1)
 
 
 def sass(compiled) -> list[str]:
@@ -85,21 +85,22 @@ def main(argv=None) -> int:
     print(f"{'variant':<22}{'instructions':>13}" + "".join(f"{c:>16}" for c in CLASSES))
     # Rows of 4096 over several chunks, as the layer's (single_chunk_max=0: the two-pass e4m3 form).
     x = torch.randn(4 * a.block_r, 4096).to(torch.bfloat16)
-    one = dict(hadamard_size=h, block_r=a.block_r, block_k=a.block_k, num_warps=a.warps, single_chunk_max=0)
+    rne, sr = OperandSpec(hadamard_size=h), OperandSpec(hadamard_size=h, rounding="sr", sr_seed=1)
+    one = dict(block_r=a.block_r, block_k=a.block_k, num_warps=a.warps, single_chunk_max=0)
     e4m3 = dict(one, e4m3=True, packed=False)
-    rne = launches(lambda: quantize_operand_triton(x, 1, **e4m3))
-    report("e4m3 phase 1", rne[1])
-    report("e4m3 phase 2, RNE", rne[2])
-    report("e4m3 phase 2, SR", launches(lambda: quantize_operand_triton(x, 1, **e4m3, **SR))[2])
-    report("packed, RNE", launches(lambda: quantize_operand_triton(x, 1, **one))[0])
-    report("packed, SR", launches(lambda: quantize_operand_triton(x, 1, **one, **SR))[0])
+    two_pass = launches(lambda: quantize_operand_triton(x, 1, rne, **e4m3))
+    report("e4m3 phase 1", two_pass[1])
+    report("e4m3 phase 2, RNE", two_pass[2])
+    report("e4m3 phase 2, SR", launches(lambda: quantize_operand_triton(x, 1, sr, **e4m3))[2])
+    report("packed, RNE", launches(lambda: quantize_operand_triton(x, 1, rne, **one))[0])
+    report("packed, SR", launches(lambda: quantize_operand_triton(x, 1, sr, **one))[0])
     # The layer's two-way launches: x (e4m3 along C, packed along R, RNE; with x's column norms
     # for wgrad's OE-right) and g (e4m3 both ways, SR; with g's row norms for dgrad's OE-left).
     print(f"quantize_both, tile {a.both_tile} x {a.both_tile}, {a.both_warps} warps, Hadamard 32 both ways")
     t = 4 * a.both_tile
     xb = torch.randn(t, t).to(torch.bfloat16)
     tile = dict(block_r=a.both_tile, block_c=a.both_tile, num_warps=a.both_warps)
-    iht, iht_sr = dict(hadamard_size=32), dict(hadamard_size=32, **SR)
+    iht, iht_sr = OperandSpec(hadamard_size=32), OperandSpec(hadamard_size=32, rounding="sr", sr_seed=1)
     x_both = launches(lambda: quantize_both(xb, iht, iht, rows_form="packed", **tile))
     report("x: phase 1 (+packed)", x_both[1])
     x_norms = launches(lambda: quantize_both(xb, iht, iht, rows_form="packed", col_norms=True, **tile))

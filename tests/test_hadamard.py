@@ -1,4 +1,5 @@
-"""Block Hadamard transform (adahop.transforms.hadamard)."""
+"""Block Hadamard transform (adahop.transforms.hadamard) and the operand spec that names it
+(adahop.transforms.operand_spec)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from adahop.transforms.hadamard import (
     inverse_block_hadamard,
     random_signs,
 )
+from adahop.transforms.operand_spec import OperandSpec
 
 SIZES = (16, 32, 64, 128, 256)
 M32 = 2**32 - 1
@@ -255,3 +257,29 @@ def test_rejects_bad_tensors():
         block_hadamard(torch.tensor(1.0))
     with pytest.raises(ValueError):
         block_hadamard(torch.ones(4, 32), dim=2)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(rounding="nearest"), r"rounding must be one of \('rne', 'sr'\)"),
+    (dict(scale_mode="round"), "scale_mode must be one of"),
+    (dict(hadamard_size=48), r"hadamard_size must be one of \(16, 32, 64, 128, 256\) or None"),
+    (dict(block_size=24), "block_size must be a power of two"),
+    (dict(rounding="sr"), "rounding 'sr' needs an sr_seed"),
+    (dict(rounding="sr", sr_seed=2**32), r"sr_seed must be an int in \[0, 2\*\*32\)"),
+    (dict(signs_seed=3), "signs_seed needs a hadamard_size"),
+    (dict(hadamard_size=32, signs_seed=-1), "signs_seed must be an int"),
+])
+def test_bad_numerics_are_refused_by_the_spec(kw, match):
+    """An operand's numerics are checked once, when its ``OperandSpec`` is made (the kernels
+    add only their own limit, blocks of 32: test_kernels.py)."""
+    with pytest.raises(ValueError, match=match):
+        OperandSpec(**kw)
+
+
+def test_operand_spec_derived_values():
+    spec = OperandSpec(hadamard_size=64)
+    assert (spec.alignment, spec.padded(100), spec.padded(128), spec.padded(0)) == (64, 128, 128, 0)
+    assert (spec.log2_hadamard, spec.hadamard_norm, spec.stochastic) == (6, 0.125, False)
+    plain = OperandSpec(rounding="sr", sr_seed=1)
+    assert (plain.alignment, plain.padded(33), plain.log2_hadamard, plain.hadamard_norm) == (32, 64, 0, 1.0)
+    assert plain.stochastic

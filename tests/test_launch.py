@@ -56,7 +56,7 @@ def test_quantize_equals_reference_on_repeated_calls():
     want = quantize_operand(x, 1, spec)
     for _ in range(3):
         for view in (x, x[1:]):  # the tensor and a view of it one row in
-            got = quantize_operand_triton(view, 1, hadamard_size=32, rounding="sr", sr_seed=11, e4m3=True)
+            got = quantize_operand_triton(view, 1, spec, e4m3=True)
             ref = want if view is x else quantize_operand(view, 1, spec)
             assert torch.equal(got["mx"].codes, ref.codes) and torch.equal(got["mx"].scale_e8m0, ref.scale_e8m0)
 
@@ -69,8 +69,9 @@ def test_misaligned_operand_gets_its_own_kernel():
     x_aligned = raw[: 64 * 96].view(64, 96)
     x_odd = raw[1: 1 + 64 * 96].view(64, 96)  # 2 bytes in: not 16-byte aligned
     for x in (x_aligned, x_odd, x_aligned, x_odd):
-        got = quantize_operand_triton(x, 1, hadamard_size=32, e4m3=True)
-        ref = quantize_operand(x, 1, OperandSpec(hadamard_size=32))
+        spec = OperandSpec(hadamard_size=32)
+        got = quantize_operand_triton(x, 1, spec, e4m3=True)
+        ref = quantize_operand(x, 1, spec)
         assert torch.equal(got["mx"].codes, ref.codes) and torch.equal(got["mx"].scale_e8m0, ref.scale_e8m0)
     assert _QUANTIZE.fast_launches > 0
 

@@ -30,19 +30,19 @@ def assert_same(got, want):
 
 
 def separately(x, cols, rows):
-    return (quantize_operand_triton(x, 1, e4m3=True, packed=False, **cols),
-            quantize_operand_triton(x, 0, e4m3=True, packed=False, **rows))
+    return (quantize_operand_triton(x, 1, cols, e4m3=True, packed=False),
+            quantize_operand_triton(x, 0, rows, e4m3=True, packed=False))
 
 
 @pytest.mark.parametrize(
     "shape,cols,rows,tile",
     [
-        ((100, 150), dict(hadamard_size=32, rounding="sr", sr_seed=5, signs_seed=9),
-         dict(hadamard_size=32, rounding="sr", sr_seed=6, scale_mode="rceil"), {}),
-        ((64, 64), dict(), dict(rounding="sr", sr_seed=1), {}),
-        ((40, 200), dict(hadamard_size=16, scale_mode="floor"), dict(hadamard_size=64, signs_seed=2),
+        ((100, 150), OperandSpec(hadamard_size=32, rounding="sr", sr_seed=5, signs_seed=9),
+         OperandSpec(hadamard_size=32, rounding="sr", sr_seed=6, scale_mode="rceil"), {}),
+        ((64, 64), OperandSpec(), OperandSpec(rounding="sr", sr_seed=1), {}),
+        ((40, 200), OperandSpec(hadamard_size=16, scale_mode="floor"), OperandSpec(hadamard_size=64, signs_seed=2),
          dict(block_r=64, block_c=32)),
-        ((130, 96), dict(hadamard_size=128, rounding="sr", sr_seed=3), dict(scale_mode="ceil"), {}),
+        ((130, 96), OperandSpec(hadamard_size=128, rounding="sr", sr_seed=3), OperandSpec(scale_mode="ceil"), {}),
     ],
 )
 def test_equals_two_one_orientation_calls(shape, cols, rows, tile):
@@ -60,7 +60,7 @@ def test_special_values():
     x[:, 20] = 0.0
     x[50, 60] = float("inf")
     x[60, 5] = float("-inf")
-    cols, rows = dict(hadamard_size=32, rounding="sr", sr_seed=7), dict(hadamard_size=32)
+    cols, rows = OperandSpec(hadamard_size=32, rounding="sr", sr_seed=7), OperandSpec(hadamard_size=32)
     a, b = quantize_both(x, cols, rows)
     want_a, want_b = separately(x, cols, rows)
     assert_same(a, want_a)
@@ -70,11 +70,13 @@ def test_special_values():
 @pytest.mark.parametrize(
     "shape,cols,rows,tile",
     [
-        ((100, 150), dict(hadamard_size=32, signs_seed=9), dict(hadamard_size=32, rounding="sr", sr_seed=6), {}),
-        ((64, 64), dict(), dict(), {}),
-        ((130, 96), dict(hadamard_size=16, rounding="sr", sr_seed=3, scale_mode="rceil"),
-         dict(hadamard_size=64, scale_mode="floor"), {}),
-        ((40, 200), dict(hadamard_size=32), dict(hadamard_size=32, signs_seed=4), dict(block_r=32, block_c=128)),
+        ((100, 150), OperandSpec(hadamard_size=32, signs_seed=9),
+         OperandSpec(hadamard_size=32, rounding="sr", sr_seed=6), {}),
+        ((64, 64), OperandSpec(), OperandSpec(), {}),
+        ((130, 96), OperandSpec(hadamard_size=16, rounding="sr", sr_seed=3, scale_mode="rceil"),
+         OperandSpec(hadamard_size=64, scale_mode="floor"), {}),
+        ((40, 200), OperandSpec(hadamard_size=32), OperandSpec(hadamard_size=32, signs_seed=4),
+         dict(block_r=32, block_c=128)),
     ],
 )
 def test_packed_rows_equal_one_orientation_calls(shape, cols, rows, tile):
@@ -86,8 +88,8 @@ def test_packed_rows_equal_one_orientation_calls(shape, cols, rows, tile):
     x[5, :] = 0.0
     x[:, 11] = float("-inf")
     a, b = quantize_both(x, cols, rows, rows_form="packed", **tile)
-    assert_same(a, quantize_operand_triton(x, 1, e4m3=True, packed=False, **cols))
-    want = quantize_operand_triton(x, 0, **rows)["mx"]
+    assert_same(a, quantize_operand_triton(x, 1, cols, e4m3=True, packed=False))
+    want = quantize_operand_triton(x, 0, rows)["mx"]
     assert torch.equal(b["mx"].codes, want.codes) and torch.equal(b["mx"].scale_e8m0, want.scale_e8m0)
     assert (b["mx"].shape, b["mx"].dim, b["mx"].block_size) == (want.shape, want.dim, want.block_size)
 
@@ -95,33 +97,30 @@ def test_packed_rows_equal_one_orientation_calls(shape, cols, rows, tile):
 @pytest.mark.parametrize("shape", [(0, 40), (40, 0), (0, 0)])
 def test_empty_operands(shape):
     x = torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE)
-    a, b = quantize_both(x, dict(hadamard_size=32), dict(hadamard_size=32))
-    want_a, want_b = separately(x, dict(hadamard_size=32), dict(hadamard_size=32))
+    iht = OperandSpec(hadamard_size=32)
+    a, b = quantize_both(x, iht, iht)
+    want_a, want_b = separately(x, iht, iht)
     for got, want in ((a, want_a), (b, want_b)):
         assert got["e4m3"].shape == want["e4m3"].shape
         assert torch.equal(got["row_scale"], want["row_scale"])
 
 
 def test_bad_arguments():
+    """Its own arguments and the kernels' limit on the numerics (the specs check the rest)."""
     x = make((64, 64))
+    plain = OperandSpec()
     with pytest.raises(ValueError, match="2-D"):
-        quantize_both(x[0], {}, {})
+        quantize_both(x[0], plain, plain)
     with pytest.raises(ValueError, match="block_c must be a power of two and a multiple of 64"):
-        quantize_both(x, dict(hadamard_size=64), {}, block_c=32)
+        quantize_both(x, OperandSpec(hadamard_size=64), plain, block_c=32)
     with pytest.raises(ValueError, match="block_r"):
-        quantize_both(x, {}, {}, block_r=96)
-    with pytest.raises(ValueError, match="sr_seed"):
-        quantize_both(x, dict(rounding="sr"), {})
-    with pytest.raises(ValueError, match="rounding"):
-        quantize_both(x, {}, dict(rounding="nearest"))
-    with pytest.raises(ValueError, match="scale_mode"):
-        quantize_both(x, dict(scale_mode="round"), {})
-    with pytest.raises(ValueError, match="hadamard_size"):
-        quantize_both(x, {}, dict(hadamard_size=48))
-    with pytest.raises(ValueError, match="block_size"):
-        quantize_both(x, dict(block_size=16), {})
+        quantize_both(x, plain, plain, block_r=96)
+    with pytest.raises(ValueError, match="MX blocks of 32, got block_size=16"):
+        quantize_both(x, OperandSpec(block_size=16), plain)
+    with pytest.raises(ValueError, match="take an OperandSpec, got dict"):
+        quantize_both(x, plain, dict(hadamard_size=32))
     with pytest.raises(ValueError, match="rows_form must be 'e4m3' or 'packed'"):
-        quantize_both(x, {}, {}, rows_form="fp8")
+        quantize_both(x, plain, plain, rows_form="fp8")
 
 
 class _EmulatedHopper(HopperFP8Backend):
@@ -207,7 +206,7 @@ def test_norms_from_the_first_pass(rows_form):
     x = make((150, 200), seed=11)
     x[7] *= 1000  # a row and a column that outlier extraction picks
     x[:, 33] *= 1000
-    cols, rows = dict(hadamard_size=32, rounding="sr", sr_seed=2), dict(hadamard_size=32)
+    cols, rows = OperandSpec(hadamard_size=32, rounding="sr", sr_seed=2), OperandSpec(hadamard_size=32)
     a, b = quantize_both(x, cols, rows, rows_form=rows_form, row_norms=True, col_norms=True, block_r=32, block_c=64)
     torch.testing.assert_close(a["norms"], outer_norms(x, 0), rtol=1e-6, atol=0)
     torch.testing.assert_close(b["norms"], outer_norms(x, 1), rtol=1e-6, atol=0)

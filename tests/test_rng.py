@@ -246,14 +246,14 @@ def test_device_stream_gives_the_int_seeds_bits(prefix, call, gemm, operand):
     assert stream.seed() == seed
     x = torch.randn(64, 96, generator=torch.Generator().manual_seed(call % 1000))
     for dim in (0, 1):
-        by_int = quantize_operand_triton(x, dim, rounding="sr", sr_seed=seed, hadamard_size=32)["mx"]
-        by_stream = quantize_operand_triton(x, dim, rounding="sr", sr_seed=stream, hadamard_size=32)["mx"]
+        by_int = quantize_operand_triton(x, dim, OperandSpec(rounding="sr", sr_seed=seed, hadamard_size=32))["mx"]
+        by_stream = quantize_operand_triton(x, dim, OperandSpec(rounding="sr", sr_seed=stream, hadamard_size=32))["mx"]
         ref = quantize_operand(x, dim, OperandSpec(rounding="sr", sr_seed=stream, hadamard_size=32))
         assert torch.equal(by_int.codes, by_stream.codes) and torch.equal(by_int.codes, ref.codes)
         assert torch.equal(by_int.scale_e8m0, by_stream.scale_e8m0)
-    by_int = quantize_both(x, dict(rounding="sr", sr_seed=seed), dict(rounding="sr", sr_seed=seed + 1))
-    by_stream = quantize_both(x, dict(rounding="sr", sr_seed=stream),
-                              dict(rounding="sr", sr_seed=seed + 1))
+    other = OperandSpec(rounding="sr", sr_seed=seed + 1)
+    by_int = quantize_both(x, OperandSpec(rounding="sr", sr_seed=seed), other)
+    by_stream = quantize_both(x, OperandSpec(rounding="sr", sr_seed=stream), other)
     for a, b in zip(by_int, by_stream):
         assert torch.equal(a["e4m3"].view(torch.uint8), b["e4m3"].view(torch.uint8))
 

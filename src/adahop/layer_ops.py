@@ -72,7 +72,8 @@ class GemmPlan:
 
 def make_gemm_plan(mode: str, cfg, *, sr_seeds: tuple, signs_seed: int | None) -> GemmPlan:
     """The plan of one GEMM in ``mode`` with the settings of ``cfg`` (a ``GemmConfig``);
-    ``sr_seeds``: the SR seeds of A and B (ints, ``SRStream``s or None)."""
+    ``sr_seeds``: the SR seeds of A and B (ints, ``SRStream``s or None), given to the operands
+    that round stochastically (an RNE operand draws nothing, so it gets none)."""
     if mode == "bf16":
         return GemmPlan(mode, None, None, cfg.oe_k)
     iht = mode.startswith("iht")
@@ -82,8 +83,8 @@ def make_gemm_plan(mode: str, cfg, *, sr_seeds: tuple, signs_seed: int | None) -
         hadamard_size=cfg.hadamard_size if iht else None,
         signs_seed=signs_seed if (iht and cfg.random_signs) else None,
     )
-    a = OperandSpec(rounding=cfg.a_rounding, sr_seed=sr_seeds[0], **common)
-    b = OperandSpec(rounding=cfg.b_rounding, sr_seed=sr_seeds[1], **common)
+    a = OperandSpec(rounding=cfg.a_rounding, sr_seed=sr_seeds[0] if cfg.a_rounding == "sr" else None, **common)
+    b = OperandSpec(rounding=cfg.b_rounding, sr_seed=sr_seeds[1] if cfg.b_rounding == "sr" else None, **common)
     return GemmPlan(mode, a, b, cfg.oe_k)
 
 
@@ -116,13 +117,14 @@ def numerics_key(config: AdaHOPConfig, modes: dict, signs_seeds: tuple, oe_ks: d
 
 @functools.lru_cache(maxsize=1024)
 def _templates(numerics: str) -> tuple[str, tuple[GemmPlan, ...], str]:
-    """The backend name, the three GEMM plans of a numerics key (without SR seeds) and which
-    weight dgrad multiplies by."""
+    """The backend name, the three GEMM plans of a numerics key and which weight dgrad
+    multiplies by. The plans' SR operands hold the seed 0, a placeholder: the seeds are the
+    call's (``layer_plan`` gives each its stream), and nothing quantizes with a template."""
     d = json.loads(numerics)
     plans = []
     for g in d["gemms"]:
         cfg = GemmConfig(**{f.name: g[f.name] for f in dataclasses.fields(GemmConfig)})  # (mode: the layer's)
-        plans.append(make_gemm_plan(cfg.mode, cfg, sr_seeds=(None, None), signs_seed=g["signs_seed"]))
+        plans.append(make_gemm_plan(cfg.mode, cfg, sr_seeds=(0, 0), signs_seed=g["signs_seed"]))
     return d["backend"], tuple(plans), d["dgrad_weight"]
 
 
@@ -132,11 +134,11 @@ def layer_plan(numerics: str, rng_state: torch.Tensor, device: torch.device, nee
     backend_name, templates, dgrad_weight = _templates(numerics)
     plans = []
     for gi, plan in enumerate(templates):
-        if plan.quantized and (plan.a.rounding == "sr" or plan.b.rounding == "sr"):
+        if plan.quantized and (plan.a.stochastic or plan.b.stochastic):
             a, b = plan.a, plan.b
-            if a.rounding == "sr":
+            if a.stochastic:
                 a = dataclasses.replace(a, sr_seed=SRStream(rng_state, gi, 0))
-            if b.rounding == "sr":
+            if b.stochastic:
                 b = dataclasses.replace(b, sr_seed=SRStream(rng_state, gi, 1))
             plan = GemmPlan(plan.mode, a, b, plan.oe_k)
         plans.append(plan)
@@ -375,7 +377,7 @@ def _saved_shapes(numerics: str, T: int, K: int, needs_backward: bool):
     _, (_, _, wg), _ = _templates(numerics)
     if not (needs_backward and wg.quantized):
         return None, None, None
-    TP = -(-T // wg.b.alignment) * wg.b.alignment
+    TP = wg.b.padded(T)
     k = min(wg.oe_k, K) if wg.mode == "iht+oe_right" else None
     return (K, TP // 2), (K, TP // wg.b.block_size), k
 

@@ -50,9 +50,9 @@ def lowbias32(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def check_seed(seed: int) -> int:
+def check_seed(seed: int, what: str = "seed") -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MASK32:
-        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+        raise ValueError(f"{what} must be an int in [0, 2**32), got {seed!r}")
     return seed
 
 

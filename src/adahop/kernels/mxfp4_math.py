@@ -4,11 +4,11 @@ Each function mirrors a piece of ``formats.mxfp4`` / ``formats.rng`` / ``transfo
 operation for operation, so that the kernels' outputs are the reference's bits:
 
 * ``lowbias32``: the SR/sign hash on uint32 (wrapping multiplies, as the reference's mod-2**32);
-* ``fwht``: the butterfly with the reference's additions (stages h = H/2, .., 1);
+* ``fwht``: the butterfly with the reference's additions (stages h = H/2, .., 1), in place;
 * ``block_exponent``: the four scale modes from amax's float32 bits (rceil's ``amax / 6`` is an
   IEEE round-to-nearest division, ``div_rn``: Triton's default fp32 ``/`` is approximate);
-* ``e2m1_codes_rne``: the reference's comparison chain, and ``e2m1_rne_arith``: the same codes
-  by arithmetic (fewer instructions); ``e2m1_sr``: stochastic rounding with 16 random bits;
+* ``e2m1_rne_arith``: the codes of the reference's comparison chain, by arithmetic (fewer
+  instructions); ``e2m1_sr``: stochastic rounding with 16 random bits;
 * ``pow2``: exact float32 powers of two built from bits (normal and subnormal).
 """
 
@@ -41,22 +41,12 @@ def pow2(e):
 @triton.jit
 def fwht(x, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr):
     """Unnormalised Walsh-Hadamard butterfly over groups of H = 2**LOG2_H along the last dim of a
-    [BLOCK_R, BLOCK_K] float32 tile, in constant-geometry form: each of the LOG2_H stages adds
-    the two halves of every group and interleaves (a + b, a - b). The additions are those of the
-    reference's stages h = H/2, ..., 1 (transforms.hadamard), so the bits are the same; every
-    stage has the same shape, so it needs one permute (no permute back)."""
-    for _ in tl.static_range(LOG2_H):
-        y = tl.reshape(x, (BLOCK_R, BLOCK_K >> LOG2_H, 2, 1 << (LOG2_H - 1)))
-        a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
-        x = tl.reshape(tl.join(a + b, a - b), (BLOCK_R, BLOCK_K))
-    return x
-
-
-@triton.jit
-def fwht_inplace(x, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr):
-    """The same butterfly in the in-place form (stage h = H/2, ..., 1 pairs x[i] with x[i + h]):
-    the same additions, so the same bits as ``fwht``; the stages with small h stay inside a
-    thread's registers, where the constant-geometry form moves data at every stage."""
+    [BLOCK_R, BLOCK_K] float32 tile, in place: stage h = H/2, ..., 1 pairs x[i] with x[i + h],
+    the reference's additions in its order (transforms.hadamard), so the same bits. In place
+    rather than in constant geometry (every stage adding the two halves of each group and
+    interleaving: the same additions): the stages with small h stay inside a thread's registers,
+    where the constant-geometry form moves data at every stage (231 warp shuffles per 16 x 256
+    chunk against 295; docs/kernels.md, 'The quantize kernels')."""
     for s in tl.static_range(LOG2_H):
         y = tl.reshape(x, (BLOCK_R, BLOCK_K >> (LOG2_H - s), 2, 1 << (LOG2_H - 1 - s)))
         a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
@@ -86,15 +76,6 @@ def block_exponent(amax, SCALE_MODE: tl.constexpr):
 
 
 @triton.jit
-def e2m1_codes_rne(a):
-    """Magnitude code 0..7 of |v| in [0, 6]: round to nearest, ties to even."""
-    c = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-    c += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-    c += (a > 5.0).to(tl.int32)
-    return c
-
-
-@triton.jit
 def _grid_exponent_bits(abits):
     """float32 bits of 2**max(E, 0), E the exponent of a >= 0 (bits ``abits``): 1 below 2, then
     2 and 4. The E2M1 grid spacing at a is half that (0.5 below 2, 1 below 4, 2 up to 6). One
@@ -113,8 +94,9 @@ def e2m1_rne_arith(a):
     a's exponent bits (``_grid_exponent_bits``). The code is the multiple in t = a + C's
     mantissa (t's bits minus C's) plus 0, 2, 4 for s = 0.5, 1, 2 (codes 0..4 by halves, then
     2, 3, 4 -> 4..6, then 4, 6 -> 6, 7): integer operations, no float-to-int conversion (a
-    quarter or less of the FP32 rate on Hopper). The same codes as ``e2m1_codes_rne`` (checked
-    on every boundary and its float32 neighbours), in fewer instructions."""
+    quarter or less of the FP32 rate on Hopper). The codes of the reference's comparison chain
+    (``formats.mxfp4._round_rne``; checked on every boundary and its float32 neighbours), in
+    fewer instructions than the chain (docs/kernels.md, 'E2M1 rounding in registers')."""
     cbits = _grid_exponent_bits(a.to(tl.int32, bitcast=True)) + (22 << 23)
     c = cbits.to(tl.float32, bitcast=True)
     t = a + c
@@ -143,16 +125,3 @@ def e2m1_sr(a, bits16):
     value = (kbits.to(tl.float32, bitcast=True) - 128.0) * sbits.to(tl.float32, bitcast=True)
     code = ((kbits - 0x43000000) >> 16) + 2 * ((sbits >> 23) - 126)  # 128.0 = 0x43000000
     return code, value
-
-
-@triton.jit
-def e2m1_value(c):
-    """Magnitude (float32) of code 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
-    v = tl.where(c == 1, 0.5, 0.0)
-    v = tl.where(c == 2, 1.0, v)
-    v = tl.where(c == 3, 1.5, v)
-    v = tl.where(c == 4, 2.0, v)
-    v = tl.where(c == 5, 3.0, v)
-    v = tl.where(c == 6, 4.0, v)
-    v = tl.where(c == 7, 6.0, v)
-    return v

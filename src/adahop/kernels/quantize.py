@@ -5,8 +5,10 @@ dim, given by strides, so one kernel quantizes ``x_TK`` along K (strides (K, 1))
 (the view ``x.t()``, strides (1, K)) without a transpose copy. Each program owns ``BLOCK_R`` rows
 and a range of K (all of it, unless the operand has too few rows to fill the GPU: then K is
 split over several programs), walked in chunks of ``BLOCK_K``; per chunk it loads, signs,
-transforms, takes block maxima, and rounds, exactly as the reference (``kernels.mxfp4_math``).
-Outputs (all row-major, K padded to ``KP``, a multiple of max(32, Hadamard size)):
+transforms, takes block maxima, and rounds, exactly as the reference (``kernels.mxfp4_math``). The
+numerics are the operand's ``OperandSpec`` (``transforms.operand_spec``, checked when it was made);
+the kernels implement MX blocks of 32 only. Outputs (all row-major, K padded to ``KP``,
+``spec.padded(K)``):
 
 * packed codes ``[R, KP/2]`` uint8 and scale bytes ``[R, KP/32]`` uint8: ``MXFP4Tensor``'s layout,
   bit-identical to ``ops.operand.quantize_operand`` (what is saved for the backward);
@@ -14,9 +16,7 @@ Outputs (all row-major, K padded to ``KP``, a multiple of max(32, Hadamard size)
   ``e2m1 value * 2**(e_block - e_rowmax + 6)``, row scale = ``2**(e_rowmax - 6)``. The product is
   exactly the MXFP4 value wherever ``e_block >= e_rowmax - 14`` (e4m3's 4 exponent bits and its
   subnormals hold 14 binades below 6 * 2**6 = 384 <= 448); a block further below its row's
-  largest is rounded to e4m3 (an error under 2**-15 of the row maximum);
-* the sum of squares of each row after the transform (the Hadamard is orthonormal, so it is the
-  row's squared L2 norm): what outlier extraction ranks its top-k slices by.
+  largest is rounded to e4m3 (an error under 2**-15 of the row maximum).
 
 The e4m3 form needs each row's largest block exponent before it writes the first element, so it
 takes two passes over K, in two launches: the first (PHASE 1) writes each K range's largest
@@ -43,16 +43,13 @@ from adahop.kernels.launch import (
 from adahop.kernels.mxfp4_math import (
     SCALE_MODE_IDS,
     block_exponent,
-    e2m1_codes_rne,
     e2m1_rne_arith,
     e2m1_sr,
-    e2m1_value,
     fwht,
-    fwht_inplace,
     lowbias32,
     pow2,
 )
-from adahop.transforms.hadamard import HADAMARD_NORM
+from adahop.transforms.operand_spec import OperandSpec
 
 INTERPRETED_JIT: tl.constexpr = tl.constexpr(INTERPRETED)
 
@@ -76,7 +73,7 @@ def _round_to_bf16(x, BY_CAST: tl.constexpr):
 def _load_transform(
     x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
-    FWHT_INPLACE: tl.constexpr, NORMED: tl.constexpr = True, ROUND_BF16: tl.constexpr = False,
+    NORMED: tl.constexpr = True, ROUND_BF16: tl.constexpr = False,
 ):
     """Load a ``[BLOCK_R, BLOCK_K]`` chunk as float32 and transform it. ``ROUND_BF16``: x is
     float32 and the operand is ``x.to(torch.bfloat16)``: each value is rounded to bfloat16 as it
@@ -89,14 +86,14 @@ def _load_transform(
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     if ROUND_BF16:
         x = _round_to_bf16(x, not INTERPRETED_JIT)
-    return _transform(x, cols, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE, NORMED)
+    return _transform(x, cols, sign_key, norm, BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, NORMED)
 
 
 @triton.jit
 def _transform(
     x, cols, sign_key, norm,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
-    FWHT_INPLACE: tl.constexpr, NORMED: tl.constexpr = True,
+    NORMED: tl.constexpr = True,
 ):
     """Random signs (by column index ``cols``) and the block Hadamard along the last dim of a
     float32 ``[BLOCK_R, BLOCK_K]`` tile, as ``transforms.hadamard``. ``NORMED=False`` leaves out
@@ -107,10 +104,7 @@ def _transform(
         bit = lowbias32(cols.to(tl.uint32) ^ sign_key.to(tl.uint32)) >> 31
         x = x * (1.0 - 2.0 * bit.to(tl.float32))[None, :]
     if LOG2_H > 0:
-        if FWHT_INPLACE:
-            x = fwht_inplace(x, BLOCK_R, BLOCK_K, LOG2_H)
-        else:
-            x = fwht(x, BLOCK_R, BLOCK_K, LOG2_H)
+        x = fwht(x, BLOCK_R, BLOCK_K, LOG2_H)
         if NORMED:
             x = x * norm
     return x
@@ -172,7 +166,6 @@ def _emit_chunk(
     codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SR: tl.constexpr,
     WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr, NAN_BY_CAST: tl.constexpr,
-    ARITH_E2M1: tl.constexpr,
 ):
     """Round one transformed chunk and write its scale bytes, packed codes and/or e4m3 form.
 
@@ -199,10 +192,8 @@ def _emit_chunk(
         r = lowbias32(pairs ^ sr_key.to(tl.uint32))
         bits = tl.reshape(tl.join(r & 0xFFFF, r >> 16), (BLOCK_R, NB, 32)).to(tl.int32)
         c, mag = e2m1_sr(a, bits)
-    elif ARITH_E2M1:
-        c, mag = e2m1_rne_arith(a)
     else:
-        c = e2m1_codes_rne(a)
+        c, mag = e2m1_rne_arith(a)
     vbits = v.to(tl.int32, bitcast=True)
     if WRITE_PACKED:
         code = tl.reshape(c | ((vbits >> 28) & 8), (BLOCK_R, NB, 16, 2))  # sign -> bit 3
@@ -217,10 +208,9 @@ def _emit_chunk(
     if WRITE_E4M3:
         e_ref = e_rowmax[:, None]
         shift = tl.maximum(e - e_ref + 6, -126)  # below that it is 0 in e4m3 anyway
-        m = mag if ARITH_E2M1 else e2m1_value(c)
         # v's sign bit on the magnitude (a zero keeps it: -0 gives the e4m3 byte 0x80, as the
         # reference), then the power of two: the same value as signing the product.
-        m = (m.to(tl.int32, bitcast=True) | (vbits & -2147483648)).to(tl.float32, bitcast=True)
+        m = (mag.to(tl.int32, bitcast=True) | (vbits & -2147483648)).to(tl.float32, bitcast=True)
         scale = pow2(shift)
         if NAN_BY_CAST:
             # Non-finite blocks: NaN by their factor, one select per block instead of one per
@@ -290,12 +280,11 @@ def _sr_key_from_state(state_ptr, stream):
 @triton.jit(do_not_specialize=["sr_key", "sign_key"])
 def _mxfp4_quantize_kernel(
     x_ptr, stride_r, stride_k,
-    codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, rowscale_ptr, sumsq_ptr, epart_ptr,
+    codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, rowscale_ptr, epart_ptr,
     R, K, KP, SPLIT_K, n_splits, sr_key, sr_state_ptr, sign_key, norm,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
     SCALE_MODE: tl.constexpr, SR: tl.constexpr, SR_FROM_STATE: tl.constexpr, SINGLE_CHUNK: tl.constexpr,
-    WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr, WRITE_SUMSQ: tl.constexpr,
-    NAN_BY_CAST: tl.constexpr, FWHT_INPLACE: tl.constexpr, ARITH_E2M1: tl.constexpr,
+    WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr, NAN_BY_CAST: tl.constexpr,
     PHASE: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
     """Program (i, s) owns rows [i * BLOCK_R, (i + 1) * BLOCK_R) and the K range
@@ -317,22 +306,20 @@ def _mxfp4_quantize_kernel(
 
     if SINGLE_CHUNK:  # the whole (padded) row fits one chunk: one read, one transform
         x = _load_transform(x_ptr, stride_r, stride_k, rows, 0, R, K, sign_key, norm,
-                            BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE, True, ROUND_BF16)
+                            BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, True, ROUND_BF16)
         e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
         e_rowmax = tl.max(tl.where(finite, e, -127), axis=1)
         if WRITE_E4M3:
             tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok)
-        if WRITE_SUMSQ:
-            tl.store(sumsq_ptr + rows, tl.sum(x * x, axis=1), mask=row_ok)
         # k0 = k_lo (0 here) as a tensor: _emit_chunk states its divisibility (tl.multiple_of)
         _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, k_lo, KP, sr_key,
                     codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr,
-                    BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_E2M1)
+                    BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST)
     elif PHASE == 1:  # largest block exponent of this K range, for PHASE 2
         e_part = tl.full((BLOCK_R,), -127, tl.int32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm,
-                                BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE, False, ROUND_BF16)
+                                BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, False, ROUND_BF16)
             e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE, norm)
             e_part = tl.maximum(e_part, tl.max(tl.where(finite, e, -127), axis=1))
             _store_row_exponent(epart_ptr + sid * R * 16, e_part, e, rows, row_ok, k0 + BLOCK_K >= k_hi,
@@ -343,32 +330,25 @@ def _mxfp4_quantize_kernel(
             for sp in range(0, n_splits):
                 e_rowmax = tl.maximum(e_rowmax, _load_row_exponent(epart_ptr + sp * R * 16, rows, row_ok))
             tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok & (sid == 0))
-        sumsq = tl.zeros((BLOCK_R,), tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             x = _load_transform(x_ptr, stride_r, stride_k, rows, k0, R, K, sign_key, norm,
-                                BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, FWHT_INPLACE, True, ROUND_BF16)
-            if WRITE_SUMSQ:
-                sumsq += tl.sum(x * x, axis=1)
+                                BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, True, ROUND_BF16)
             e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
             _emit_chunk(x, e, finite, e_rowmax, rows, row_ok, k0, KP, sr_key,
                         codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr,
-                        BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST, ARITH_E2M1)
-        if WRITE_SUMSQ:
-            tl.store(sumsq_ptr + sid * R + rows, sumsq, mask=row_ok)
+                        BLOCK_R, BLOCK_K, SR, WRITE_PACKED, WRITE_E4M3, NAN_BY_CAST)
 
 
 _QUANTIZE = FastLauncher(_mxfp4_quantize_kernel)
 
 # Launch configurations by (quantization dim of the 2-D operand, e4m3 output?): block_r rows per
 # program, block_k columns per chunk, warps, the longest padded row handled in one chunk (one
-# read and one launch instead of two for the e4m3 form), the butterfly form and the E2M1 encoder.
-# Measured on the H200 with x [16384, 4096] bf16 (docs/kernels.md, 'The quantize kernels'): 16 x 256
-# with 4 warps and the in-place butterfly is the fastest for 4 of the 5 variants; the arithmetic RNE
-# encoder beats the compare chain in every variant (IHT e4m3 along K: 0.277 ms against 0.334; SR is
-# always arithmetic: ``e2m1_sr``). One chunk per row: slower for every operand of the (14336, 4096)
-# layer (rows of 4,096-16,384), faster for rows of 768-2,048 at (2048, 768) (0.062-0.103 ms against
-# 0.112-0.144 ms for the two passes, with 8,192 elements per program), hence up to 2,048.
-DEFAULT_LAUNCH = dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=2048, fwht_inplace=True, arith_e2m1=True)
+# read and one launch instead of two for the e4m3 form). Measured on the H200 with x [16384, 4096]
+# bf16 (docs/kernels.md, 'The quantize kernels'): 16 x 256 with 4 warps is the fastest for 4 of the
+# 5 variants. One chunk per row: slower for every operand of the (14336, 4096) layer (rows of
+# 4,096-16,384), faster for rows of 768-2,048 at (2048, 768) (0.062-0.103 ms against 0.112-0.144 ms
+# for the two passes, with 8,192 elements per program), hence up to 2,048.
+DEFAULT_LAUNCH = dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=2048)
 SINGLE_CHUNK_ELEMENTS = 8192  # per program, when a row is one chunk
 LAUNCH_CONFIGS: dict[tuple[int, bool], dict] = {}
 
@@ -411,88 +391,67 @@ def sr_key(seed: int) -> int:
     return _lowbias32_int(_lowbias32_int(0) ^ seed)
 
 
-def operand_args(
-    K: int, *, block_size: int = 32, scale_mode: str = "even", rounding: str = "rne",
-    hadamard_size: int | None = None, signs_seed: int | None = None, sr_seed: int | SRStream | None = None,
-) -> dict:
-    """The numerics of one quantized operand as kernel arguments, checked: the padded length
-    ``KP`` of a K-long row (a multiple of ``align`` = max(32, Hadamard size)), the Hadamard's
-    ``log2_h`` and ``norm``, the random-sign and SR keys (an ``SRStream`` seed: its stream id and
-    state tensor, the key is derived in the kernel), the scale-mode id. Shared by
-    ``quantize_operand_triton`` and ``kernels.quantize_both``."""
-    if block_size != 32:
-        raise ValueError(f"the Triton kernels implement MX blocks of 32, got block_size={block_size}")
-    if rounding not in ("rne", "sr"):
-        raise ValueError(f"rounding must be 'rne' or 'sr', got {rounding!r}")
-    if rounding == "sr" and sr_seed is None:
-        raise ValueError("stochastic rounding needs sr_seed")
-    if scale_mode not in SCALE_MODE_IDS:
-        raise ValueError(f"scale_mode must be one of {tuple(SCALE_MODE_IDS)}, got {scale_mode!r}")
-    if hadamard_size is not None and hadamard_size not in HADAMARD_NORM:
-        raise ValueError(f"hadamard_size must be one of {sorted(HADAMARD_NORM)} or None, got {hadamard_size!r}")
-    align = max(32, hadamard_size or 1)
-    from_state = rounding == "sr" and isinstance(sr_seed, SRStream)
-    return dict(
-        KP=-(-K // align) * align, align=align, log2_h=(hadamard_size or 1).bit_length() - 1,
-        norm=HADAMARD_NORM[hadamard_size] if hadamard_size else 1.0,
-        has_signs=signs_seed is not None,
-        sign_key=as_int32(_lowbias32_int(signs_seed)) if signs_seed is not None else 0,
-        sr=rounding == "sr", sr_from_state=from_state, sr_state=sr_seed.state if from_state else None,
-        sr_key=0 if rounding != "sr" else (2 * sr_seed.gemm + sr_seed.operand if from_state  # the stream
-                                           else as_int32(sr_key(sr_seed))),
-        scale_mode=SCALE_MODE_IDS[scale_mode],
-    )
+def check_spec(spec: OperandSpec) -> None:
+    """The kernels' own limit on an operand's numerics (the spec checked the rest when it was made)."""
+    if not isinstance(spec, OperandSpec):
+        raise ValueError(f"the Triton kernels take an OperandSpec, got {type(spec).__name__}")
+    if spec.block_size != 32:
+        raise ValueError(f"the Triton kernels implement MX blocks of 32, got block_size={spec.block_size}")
+
+
+def sign_key(spec: OperandSpec) -> int:
+    """The key the kernels hash column indices with for the random signs (int32), 0 without signs."""
+    return as_int32(_lowbias32_int(spec.signs_seed)) if spec.signs_seed is not None else 0
+
+
+def sr_args(spec: OperandSpec) -> tuple[int, torch.Tensor | None]:
+    """The kernels' SR arguments ``(key, state)``: an int seed gives its key (int32) and no state;
+    an ``SRStream`` its stream ``2 * gemm + operand`` and its state tensor, from which the kernel
+    derives the key (``_sr_key_from_state``); RNE ``(0, None)``."""
+    if not spec.stochastic:
+        return 0, None
+    if isinstance(spec.sr_seed, SRStream):
+        return 2 * spec.sr_seed.gemm + spec.sr_seed.operand, spec.sr_seed.state
+    return as_int32(sr_key(spec.sr_seed)), None
 
 
 def quantize_operand_triton(
     x: torch.Tensor,
     dim: int,
+    spec: OperandSpec,
     *,
-    block_size: int = 32,
-    scale_mode: str = "even",
-    rounding: str = "rne",
-    hadamard_size: int | None = None,
-    signs_seed: int | None = None,
-    sr_seed: int | SRStream | None = None,
     packed: bool = True,
     e4m3: bool = False,
-    sumsq: bool = False,
     block_r: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
     single_chunk_max: int | None = None,
-    fwht_inplace: bool | None = None,
-    arith_e2m1: bool | None = None,
     k_splits: int | None = None,
     round_to_bf16: bool = False,
 ):
-    """Quantize 2-D ``x`` along ``dim`` with the fused kernel. Returns a dict with, as asked,
-    ``"mx"`` (MXFP4Tensor), ``"e4m3"`` ([R, KP] float8_e4m3fn), ``"row_scale"`` ([R] float32)
-    and ``"sumsq"`` ([R] float32); R = the other dim.
+    """Quantize 2-D ``x`` along ``dim`` as ``spec`` says, with the fused kernel. Returns a dict
+    with, as asked, ``"mx"`` (MXFP4Tensor), ``"e4m3"`` ([R, KP] float8_e4m3fn) and
+    ``"row_scale"`` ([R] float32); R = the other dim.
 
     ``round_to_bf16``: quantize ``x.to(torch.bfloat16)`` for a float32 ``x``, rounding in the
     kernel's loads (the same bits as the cast, without its pass over x).
 
     ``k_splits``: programs per row group along K (None: enough to fill the GPU, see
-    ``auto_k_splits``; 1 on the CPU). Splitting changes nothing in the result but the order of
-    ``sumsq``'s float additions."""
+    ``auto_k_splits``; 1 on the CPU). Splitting changes nothing in the result."""
     if x.dim() != 2:
         raise ValueError(f"quantize_operand_triton takes a 2-D operand, got shape {tuple(x.shape)}")
     if round_to_bf16 and x.dtype != torch.float32:
         raise ValueError(f"round_to_bf16 takes a float32 operand, got {x.dtype}")
+    check_spec(spec)
     dim = dim % 2
     cfg = launch_config(dim, e4m3)
     block_r = cfg["block_r"] if block_r is None else block_r
     block_k = cfg["block_k"] if block_k is None else block_k
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
     single_chunk_max = cfg["single_chunk_max"] if single_chunk_max is None else single_chunk_max
-    fwht_inplace = cfg["fwht_inplace"] if fwht_inplace is None else fwht_inplace
-    arith_e2m1 = cfg["arith_e2m1"] if arith_e2m1 is None else arith_e2m1
     view = x if dim == 1 else x.t()  # logical [R, K]: K = contraction dim
     R, K = view.shape
-    op = operand_args(K, block_size=block_size, scale_mode=scale_mode, rounding=rounding,
-                      hadamard_size=hadamard_size, signs_seed=signs_seed, sr_seed=sr_seed)
-    KP, align = op["KP"], op["align"]
+    KP, align = spec.padded(K), spec.alignment
     if R * KP >= 2**32:
         raise ValueError(f"operand too large for 32-bit SR counters: {R} x {KP}")
     block_k = max(block_k, align)
@@ -516,45 +475,39 @@ def quantize_operand_triton(
     scales = torch.empty((R, KP // 32), dtype=torch.uint8, device=dev) if packed else None
     e4 = torch.empty((R, KP), dtype=torch.float8_e4m3fn, device=dev) if e4m3 else None
     rs = torch.empty((R,), dtype=torch.float32, device=dev) if e4m3 else None
-    ss = torch.empty((k_splits, R), dtype=torch.float32, device=dev) if sumsq else None
     two_phase = e4m3 and not single  # the row maximum first (PHASE 1), then the emit (PHASE 2)
     epart = torch.empty((k_splits, R, 16), dtype=torch.uint8, device=dev) if two_phase else None
     dummy = dummy_pointer(dev)
+    key, state = sr_args(spec)
     grid = (row_programs, k_splits)
     args = (
         view, view.stride(0), view.stride(1),
         codes if packed else dummy, scales if packed else dummy,
         e4 if e4m3 else dummy, nan_bytes_view(e4) if e4m3 else dummy,
-        rs if e4m3 else dummy, ss if sumsq else dummy, epart if two_phase else dummy,
-        R, K, KP, split_k, k_splits, op["sr_key"], dummy if op["sr_state"] is None else op["sr_state"],
-        op["sign_key"], op["norm"],
+        rs if e4m3 else dummy, epart if two_phase else dummy,
+        R, K, KP, split_k, k_splits, key, dummy if state is None else state, sign_key(spec), spec.hadamard_norm,
     )
     meta = dict(
-        BLOCK_R=block_r, BLOCK_K=block_k, LOG2_H=op["log2_h"], HAS_SIGNS=op["has_signs"],
-        SCALE_MODE=op["scale_mode"], SR=op["sr"], SR_FROM_STATE=op["sr_from_state"], SINGLE_CHUNK=single,
-        WRITE_PACKED=packed, WRITE_E4M3=e4m3, WRITE_SUMSQ=sumsq,
+        BLOCK_R=block_r, BLOCK_K=block_k, LOG2_H=spec.log2_hadamard, HAS_SIGNS=spec.signs_seed is not None,
+        SCALE_MODE=SCALE_MODE_IDS[spec.scale_mode], SR=spec.stochastic, SR_FROM_STATE=state is not None,
+        SINGLE_CHUNK=single,
+        WRITE_PACKED=packed, WRITE_E4M3=e4m3,
         NAN_BY_CAST=not INTERPRETED,
-        FWHT_INPLACE=fwht_inplace, ARITH_E2M1=arith_e2m1, ROUND_BF16=round_to_bf16,
+        ROUND_BF16=round_to_bf16,
         num_warps=num_warps,
     )
     if KP == 0:  # no blocks, nothing to launch: an empty row's largest exponent is -127
         if e4m3:
             rs.fill_(2.0**-133)
-        if sumsq:
-            ss.zero_()
     else:
         if two_phase:
             _QUANTIZE[grid](*args, PHASE=1, **meta)
         _QUANTIZE[grid](*args, PHASE=2 if two_phase else 0, **meta)
-    if sumsq and k_splits > 1:
-        ss = ss.sum(0, keepdim=True)
     out = {}
     if packed:
         out["mx"] = MXFP4Tensor(codes, scales, x.shape, dim, 32)
     if e4m3:
         out["e4m3"] = e4
         out["row_scale"] = rs
-    if sumsq:
-        out["sumsq"] = ss[0]
     return out
 

@@ -46,15 +46,18 @@ import triton.language as tl
 
 from adahop.formats.mxfp4 import MXFP4Tensor
 from adahop.kernels.launch import INTERPRETED, FastLauncher, cdiv, dummy_pointer, nan_bytes_view
-from adahop.kernels.mxfp4_math import pow2
+from adahop.kernels.mxfp4_math import SCALE_MODE_IDS, pow2
 from adahop.kernels.quantize import (
     _blocks,
     _emit_chunk,
     _sr_key_from_state,
     _store_row_exponent,
     _transform,
-    operand_args,
+    check_spec,
+    sign_key,
+    sr_args,
 )
+from adahop.transforms.operand_spec import OperandSpec
 
 
 @triton.jit(do_not_specialize=["sr_key_a", "sr_key_b", "sign_key_a", "sign_key_b"])
@@ -93,7 +96,7 @@ def _quantize_both_kernel(
         if SUMSQ_B:
             tl.store(ssb_ptr + pid_r * C + cols, tl.sum(x * x, axis=0), mask=cols < C)
     # PHASE 1 needs A's block exponents only: the butterfly without its norm (_blocks applies it)
-    xa = _transform(x, cols, sign_key_a, norm_a, BLOCK_R, BLOCK_C, LOG2_HA, HAS_SIGNS_A, True, PHASE == 2)
+    xa = _transform(x, cols, sign_key_a, norm_a, BLOCK_R, BLOCK_C, LOG2_HA, HAS_SIGNS_A, PHASE == 2)
     ea, fina = _blocks(xa, BLOCK_R, BLOCK_C, SCALE_MODE_A, 1.0 if PHASE == 2 else norm_a)
     rows_a_ok = rows < R
     rows_b_ok = cols < C
@@ -101,18 +104,18 @@ def _quantize_both_kernel(
         if PHASE == 1:
             ma = tl.max(tl.where(fina, ea, -127), axis=1)
             _store_row_exponent(parta_ptr + pid_c * R * 16, ma, ea, rows, rows_a_ok, True, BLOCK_R, BLOCK_C)
-            xb = _transform(tl.trans(x), rows, sign_key_b, norm_b, BLOCK_C, BLOCK_R, LOG2_HB, HAS_SIGNS_B, True)
+            xb = _transform(tl.trans(x), rows, sign_key_b, norm_b, BLOCK_C, BLOCK_R, LOG2_HB, HAS_SIGNS_B)
             eb, finb = _blocks(xb, BLOCK_C, BLOCK_R, SCALE_MODE_B)
             _emit_chunk(xb, eb, finb, tl.zeros((BLOCK_C,), tl.int32), cols, rows_b_ok, pid_r * BLOCK_R, RP, sr_key_b,
                         codes_b_ptr, scales_b_ptr, e4b_ptr, e4b_bits_ptr,
-                        BLOCK_C, BLOCK_R, SR_B, True, False, NAN_BY_CAST, True)
+                        BLOCK_C, BLOCK_R, SR_B, True, False, NAN_BY_CAST)
         else:
             emax_a = tl.load(emaxa_ptr + rows, mask=rows_a_ok, other=0).to(tl.int32) - 127
             tl.store(rsa_ptr + rows, pow2(emax_a - 6), mask=rows_a_ok & (pid_c == 0))
             _emit_chunk(xa, ea, fina, emax_a, rows, rows_a_ok, pid_c * BLOCK_C, CP, sr_key_a,
-                        e4a_ptr, e4a_ptr, e4a_ptr, e4a_bits_ptr, BLOCK_R, BLOCK_C, SR_A, False, True, NAN_BY_CAST, True)
+                        e4a_ptr, e4a_ptr, e4a_ptr, e4a_bits_ptr, BLOCK_R, BLOCK_C, SR_A, False, True, NAN_BY_CAST)
     else:
-        xb = _transform(tl.trans(x), rows, sign_key_b, norm_b, BLOCK_C, BLOCK_R, LOG2_HB, HAS_SIGNS_B, True, PHASE == 2)
+        xb = _transform(tl.trans(x), rows, sign_key_b, norm_b, BLOCK_C, BLOCK_R, LOG2_HB, HAS_SIGNS_B, PHASE == 2)
         eb, finb = _blocks(xb, BLOCK_C, BLOCK_R, SCALE_MODE_B, 1.0 if PHASE == 2 else norm_b)
         if PHASE == 1:
             ma = tl.max(tl.where(fina, ea, -127), axis=1)
@@ -125,9 +128,9 @@ def _quantize_both_kernel(
             tl.store(rsa_ptr + rows, pow2(emax_a - 6), mask=rows_a_ok & (pid_c == 0))
             tl.store(rsb_ptr + cols, pow2(emax_b - 6), mask=rows_b_ok & (pid_r == 0))
             _emit_chunk(xa, ea, fina, emax_a, rows, rows_a_ok, pid_c * BLOCK_C, CP, sr_key_a,
-                        e4a_ptr, e4a_ptr, e4a_ptr, e4a_bits_ptr, BLOCK_R, BLOCK_C, SR_A, False, True, NAN_BY_CAST, True)
+                        e4a_ptr, e4a_ptr, e4a_ptr, e4a_bits_ptr, BLOCK_R, BLOCK_C, SR_A, False, True, NAN_BY_CAST)
             _emit_chunk(xb, eb, finb, emax_b, cols, rows_b_ok, pid_r * BLOCK_R, RP, sr_key_b,
-                        e4b_ptr, e4b_ptr, e4b_ptr, e4b_bits_ptr, BLOCK_C, BLOCK_R, SR_B, False, True, NAN_BY_CAST, True)
+                        e4b_ptr, e4b_ptr, e4b_ptr, e4b_bits_ptr, BLOCK_C, BLOCK_R, SR_B, False, True, NAN_BY_CAST)
 
 
 _QUANTIZE_BOTH = FastLauncher(_quantize_both_kernel)
@@ -180,15 +183,14 @@ def _row_maxima(parta, emaxa, partb=None, emaxb=None) -> None:
                        HAS_B=has_b, num_warps=4)
 
 
-def quantize_both(x: torch.Tensor, along_cols: dict, along_rows: dict, *, rows_form: str = "e4m3",
+def quantize_both(x: torch.Tensor, spec_cols: OperandSpec, spec_rows: OperandSpec, *, rows_form: str = "e4m3",
                   row_norms: bool = False, col_norms: bool = False,
                   block_r: int | None = None, block_c: int | None = None, num_warps: int | None = None):
-    """Quantize 2-D ``x`` [R, C] along C (``along_cols``: the keywords of
-    ``quantize_operand_triton`` for ``dim=1``) and along R (``along_rows``: for ``dim=0``).
-    Returns two dicts, equal to ``quantize_operand_triton(x, 1, e4m3=True, packed=False,
-    **along_cols)`` (``"e4m3"``, ``"row_scale"``) and, by ``rows_form``, to
-    ``quantize_operand_triton(x, 0, e4m3=True, packed=False, **along_rows)`` (``"e4m3"``) or
-    ``quantize_operand_triton(x, 0, **along_rows)`` (``"packed"``: ``"mx"``, an MXFP4Tensor).
+    """Quantize 2-D ``x`` [R, C] along C as ``spec_cols`` says and along R as ``spec_rows`` says.
+    Returns two dicts, equal to ``quantize_operand_triton(x, 1, spec_cols, e4m3=True,
+    packed=False)`` (``"e4m3"``, ``"row_scale"``) and, by ``rows_form``, to
+    ``quantize_operand_triton(x, 0, spec_rows, e4m3=True, packed=False)`` (``"e4m3"``) or
+    ``quantize_operand_triton(x, 0, spec_rows)`` (``"packed"``: ``"mx"``, an MXFP4Tensor).
 
     ``row_norms`` / ``col_norms``: the first / second dict also holds ``"norms"``, the float32 L2
     norms of x's rows / columns (that orientation's outer slices), by which outlier extraction
@@ -201,18 +203,18 @@ def quantize_both(x: torch.Tensor, along_cols: dict, along_rows: dict, *, rows_f
         raise ValueError(f"quantize_both takes a 2-D operand, got shape {tuple(x.shape)}")
     if rows_form not in ("e4m3", "packed"):
         raise ValueError(f"rows_form must be 'e4m3' or 'packed', got {rows_form!r}")
+    check_spec(spec_cols)
+    check_spec(spec_rows)
     packed = rows_form == "packed"
     R, C = x.shape
-    a = operand_args(C, **along_cols)
-    b = operand_args(R, **along_rows)
-    block_c = max(64, a["align"]) if block_c is None else block_c
-    block_r = max(64, b["align"]) if block_r is None else block_r
-    for name, size, align in (("block_c", block_c, a["align"]), ("block_r", block_r, b["align"])):
+    block_c = max(64, spec_cols.alignment) if block_c is None else block_c
+    block_r = max(64, spec_rows.alignment) if block_r is None else block_r
+    for name, size, align in (("block_c", block_c, spec_cols.alignment), ("block_r", block_r, spec_rows.alignment)):
         if isinstance(size, bool) or not isinstance(size, int) or size < align or size & (size - 1) or size % align:
             raise ValueError(f"{name} must be a power of two and a multiple of {align}, got {size!r}")
     if num_warps is None:
         num_warps = min(8, max(4, block_r * block_c // 1024))
-    CP, RP = a["KP"], b["KP"]
+    CP, RP = spec_cols.padded(C), spec_rows.padded(R)
     if R * CP >= 2**32 or C * RP >= 2**32:
         raise ValueError(f"operand too large for 32-bit SR counters: {R} x {C}")
     dev = x.device
@@ -246,18 +248,20 @@ def quantize_both(x: torch.Tensor, along_cols: dict, along_rows: dict, *, rows_f
     emaxb = dummy if packed else torch.empty((C,), dtype=torch.uint8, device=dev)
     ssa = torch.empty((grid[1], R), dtype=torch.float32, device=dev) if row_norms else dummy
     ssb = torch.empty((grid[0], C), dtype=torch.float32, device=dev) if col_norms else dummy
+    (key_a, state_a), (key_b, state_b) = sr_args(spec_cols), sr_args(spec_rows)
     args = (
         x, x.stride(0), x.stride(1), R, C, RP, CP,
         e4a, nan_bytes_view(e4a), rsa, parta, emaxa, ssa,
         e4b, dummy if packed else nan_bytes_view(e4b), rsb, partb, emaxb, ssb, codes_b, scales_b,
-        a["sr_key"], b["sr_key"], dummy if a["sr_state"] is None else a["sr_state"],
-        dummy if b["sr_state"] is None else b["sr_state"], a["sign_key"], b["sign_key"], a["norm"], b["norm"],
+        key_a, key_b, dummy if state_a is None else state_a, dummy if state_b is None else state_b,
+        sign_key(spec_cols), sign_key(spec_rows), spec_cols.hadamard_norm, spec_rows.hadamard_norm,
     )
     meta = dict(
-        BLOCK_R=block_r, BLOCK_C=block_c, LOG2_HA=a["log2_h"], LOG2_HB=b["log2_h"],
-        HAS_SIGNS_A=a["has_signs"], HAS_SIGNS_B=b["has_signs"], SCALE_MODE_A=a["scale_mode"],
-        SCALE_MODE_B=b["scale_mode"], SR_A=a["sr"], SR_B=b["sr"],
-        SR_FROM_STATE_A=a["sr_from_state"], SR_FROM_STATE_B=b["sr_from_state"],
+        BLOCK_R=block_r, BLOCK_C=block_c, LOG2_HA=spec_cols.log2_hadamard, LOG2_HB=spec_rows.log2_hadamard,
+        HAS_SIGNS_A=spec_cols.signs_seed is not None, HAS_SIGNS_B=spec_rows.signs_seed is not None,
+        SCALE_MODE_A=SCALE_MODE_IDS[spec_cols.scale_mode], SCALE_MODE_B=SCALE_MODE_IDS[spec_rows.scale_mode],
+        SR_A=spec_cols.stochastic, SR_B=spec_rows.stochastic,
+        SR_FROM_STATE_A=state_a is not None, SR_FROM_STATE_B=state_b is not None,
         NAN_BY_CAST=not INTERPRETED, B_PACKED=packed, num_warps=num_warps,
     )
     _QUANTIZE_BOTH[grid](*args, PHASE=1, SUMSQ_A=row_norms, SUMSQ_B=col_norms, **meta)

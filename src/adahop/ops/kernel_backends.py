@@ -45,24 +45,6 @@ from adahop.ops.operand import OperandSpec
 from adahop.ops.outliers import outer_norms
 
 
-def _kernel_args(spec: OperandSpec) -> dict:
-    return dict(
-        block_size=spec.block_size,
-        scale_mode=spec.scale_mode,
-        rounding=spec.rounding,
-        hadamard_size=spec.hadamard_size,
-        signs_seed=spec.signs_seed,
-        sr_seed=spec.sr_seed,
-    )
-
-
-def _check(x: torch.Tensor, spec: OperandSpec) -> None:
-    if x.dim() != 2:
-        raise ValueError(f"GEMM operands are 2-D, got shape {tuple(x.shape)}")
-    if spec.block_size != 32:
-        raise ValueError(f"the Triton kernels implement MX blocks of 32, got {spec.block_size}")
-
-
 def _cast_args(x: torch.Tensor, cast_to: torch.dtype | None) -> tuple[torch.Tensor, dict]:
     """The operand ``x.to(cast_to)`` as the kernel takes it: float32 to bfloat16 is rounded in
     the kernel's loads (``round_to_bf16``: no cast copy written and read again), any other cast
@@ -94,9 +76,8 @@ class TritonBackend:
     def quantize_packed(self, x, dim, spec: OperandSpec, zero_outer=None, cast_to=None) -> MXFP4Tensor:
         from adahop.kernels.quantize import quantize_operand_triton
 
-        _check(x, spec)
         x, cast = _cast_args(x, cast_to)
-        return quantize_operand_triton(x, dim, **_kernel_args(spec), **cast)["mx"]
+        return quantize_operand_triton(x, dim, spec, **cast)["mx"]
 
     def mm_nt(self, a: MXFP4Tensor, b: MXFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         a_f32 = dequantize_mxfp4(a, keep_padding=True)
@@ -133,9 +114,8 @@ class HopperFP8Backend:
     def quantize(self, x, dim, spec: OperandSpec, zero_outer=None, cast_to=None) -> E4M3Operand:
         from adahop.kernels.quantize import quantize_operand_triton
 
-        _check(x, spec)
         x, cast = _cast_args(x, cast_to)
-        out = quantize_operand_triton(x, dim, packed=False, e4m3=True, **_kernel_args(spec), **cast)
+        out = quantize_operand_triton(x, dim, spec, packed=False, e4m3=True, **cast)
         return E4M3Operand(out["e4m3"], out["row_scale"])
 
     quantize_packed = TritonBackend.quantize_packed
@@ -144,9 +124,7 @@ class HopperFP8Backend:
     def _two_ways(x, spec_cols: OperandSpec, spec_rows: OperandSpec, rows_form: str, **norms):
         from adahop.kernels.quantize_both import quantize_both
 
-        _check(x, spec_cols)
-        _check(x, spec_rows)
-        return quantize_both(x, _kernel_args(spec_cols), _kernel_args(spec_rows), rows_form=rows_form, **norms)
+        return quantize_both(x, spec_cols, spec_rows, rows_form=rows_form, **norms)
 
     def quantize_both(self, x, spec_cols: OperandSpec, spec_rows: OperandSpec, row_norms: bool = False):
         """``quantize(x, 1, spec_cols)`` and ``quantize(x, 0, spec_rows)`` from the same reads of

@@ -9,8 +9,9 @@ GEMMs of a linear layer (x_TK activation, w_NK weight, g_TN output gradient):
     dgrad  dx_TK = g_TN  . w_NK      A = g along N (dim 1),           B = w along N (dim 0)
     wgrad  dw_NK = g_TN^T . x_TK     A = g along T (dim 0),           B = x along T (dim 0)
 
-``OperandSpec`` says how an operand is quantized; both operands of a GEMM must use the same
-padding, Hadamard size and signs along K, or the transform would not cancel.
+``OperandSpec`` (``transforms.operand_spec``, re-exported here) says how an operand is quantized;
+both operands of a GEMM must use the same padding, Hadamard size and signs along K, or the
+transform would not cancel.
 
 Padding: K is zero-padded to a multiple of ``max(block_size, hadamard_size)`` (both powers of
 two) before the transform; zeros in both operands add nothing to the product.
@@ -18,28 +19,12 @@ two) before the transform; zeros in both operands add nothing to the product.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from adahop.formats.mxfp4 import MXFP4Tensor, pad_to_multiple, quantize_mxfp4
 from adahop.formats.rng import SRStream
 from adahop.transforms.hadamard import block_hadamard, random_signs
-
-
-@dataclass(frozen=True)
-class OperandSpec:
-    block_size: int = 32
-    scale_mode: str = "even"
-    rounding: str = "rne"
-    hadamard_size: int | None = None  # None: no transform (naive MXFP4)
-    signs_seed: int | None = None  # random +-1 signs before the Hadamard (Tseng et al.)
-    # seed of stochastic rounding (required for rounding="sr"): an int, or an SRStream (on the device)
-    sr_seed: int | SRStream | None = None
-
-    @property
-    def alignment(self) -> int:
-        return max(self.block_size, self.hadamard_size or 1)
+from adahop.transforms.operand_spec import OperandSpec  # public here too (and as adahop.ops.OperandSpec)
 
 
 def transform_along(x: torch.Tensor, dim: int, spec: OperandSpec) -> torch.Tensor:
@@ -56,8 +41,6 @@ def transform_along(x: torch.Tensor, dim: int, spec: OperandSpec) -> torch.Tenso
 
 def quantize_operand(x: torch.Tensor, dim: int, spec: OperandSpec) -> MXFP4Tensor:
     """Quantize a 2-D GEMM operand along its contraction dim ``dim`` (reference numerics)."""
-    if spec.rounding == "sr" and spec.sr_seed is None:
-        raise ValueError("stochastic rounding needs an explicit sr_seed in OperandSpec")
     x_last = transform_along(x, dim, spec)
     q = quantize_mxfp4(
         x_last,

@@ -1,4 +1,4 @@
-"""Hadamard transforms (imports only formats)."""
+"""Hadamard transforms and ``OperandSpec``, how one GEMM operand is quantized (imports only formats)."""
 
 from adahop.transforms.hadamard import (
     DEFAULT_HADAMARD_SIZE,

@@ -11,10 +11,7 @@ float64, for exactness tests):
 1. multiply by the signs (exact);
 2. the fast Walsh-Hadamard butterfly, stages ``h = size/2, size/4, ..., 1`` in that order, each
    replacing the pair ``(a, b) = (x[i], x[i + h])`` (i in the lower half of each 2h-group) by
-   ``(a + b, a - b)``. (The kernels compute these additions in place, as here, or in "constant
-   geometry" form: every stage adds the two halves of the group and interleaves ``(a + b, a - b)``,
-   which is the same additions on the same operands, with one data movement pattern for all
-   stages.)
+   ``(a + b, a - b)``. (The kernels compute these additions in place, as here.)
 3. one multiply by ``HADAMARD_NORM[size]``, ``1/sqrt(size)`` rounded to float32 (a power of two,
    hence exact, for sizes 16, 64, 256).
 A tensor-core dot would be faster to write but its accumulation order is unspecified, so no
