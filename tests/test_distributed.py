@@ -423,6 +423,9 @@ def test_bad_launches_of_adahop_train_are_one_line(corpus, tmp_path, capsys, mon
     assert len(err.splitlines()) == 1 and "torchrun --nproc-per-node N" in err, err
     run = torchrun(cli_args(corpus, tmp_path / "r", "--parallel", "ddp", "--batch-size", "3"))
     assert run.returncode != 0
+    # every rank refuses the launch on its own; torchrun stops the others once the first exits,
+    # so which ranks print first is a race: each that does prints the one line
     ours = [line for line in run.stderr.splitlines() if line.startswith("adahop train")]
-    assert ours == ["adahop train (rank 0): error: the global batch of 3 sequences does not split over 2 ranks: "
-                    "give a --batch-size that is a multiple of 2"], run.stderr[-3000:]
+    assert ours and all(
+        line in (f"adahop train (rank {r}): error: the global batch of 3 sequences does not split over 2 ranks: "
+                 "give a --batch-size that is a multiple of 2" for r in (0, 1)) for line in ours), run.stderr[-3000:]
