@@ -143,7 +143,9 @@ VARIANTS: dict[str, Variant] = {
 # (calibration_micro_batches acts only on the variants that calibrate.)
 VARIANT_FIELDS = ("adahop", "bf16_phase_start", "bf16_phase_gemms", "oscillation_dampening", "drift",
                   "calibration_micro_batches")
-PER_RUN_FIELDS = ("out_dir", "seed", "progress", "extra")
+# (corpus_dir is where the corpus lies on the machine that ran it; which corpus it is, its
+# corpus_id, is compared apart.)
+PER_RUN_FIELDS = ("out_dir", "corpus_dir", "seed", "progress", "extra")
 
 
 def variant_config(name: str, base: adahop.AdaHOPConfig, seed: int) -> adahop.AdaHOPConfig:
@@ -241,13 +243,15 @@ def _mean_spread(values: list[float]) -> str:
 
 
 def _with_defaults(settings: dict | None) -> dict | None:
-    """``settings`` with the TrainConfig fields it lacks at their defaults: a field added to
-    TrainConfig after a run was made gets a default that does what the code did before it."""
+    """``settings`` with the TrainConfig fields it lacks at their defaults (a field added to
+    TrainConfig after a run was made gets a default that does what the code did before it), and
+    without the per-run fields an older run recorded."""
     from adahop.train.trainer import TrainConfig
 
     if settings is None:
         return None
-    return {**comparable_settings(TrainConfig()), **settings}
+    return {k: v for k, v in {**comparable_settings(TrainConfig()), **settings}.items()
+            if k not in VARIANT_FIELDS + PER_RUN_FIELDS}
 
 
 def check_comparable(runs: list[dict]) -> None:

@@ -17,7 +17,10 @@ against both BF16 runs. Per run:
   compilation of the first step);
 - peak device memory (``torch.cuda.max_memory_allocated``): of the whole run up to P1, which
   includes the calibration (eager, BF16 GEMMs: the adaptive recipes' peak at large sizes; see
-  --calibration-micro-batches), and of the steady steps after P0 up to P1 alone;
+  --calibration-micro-batches), and of the steady steps after P0 up to P1 alone (not with
+  --cudagraphs: a replay allocates nothing, its memory is the graphs' pool, made when they were
+  recorded, and the allocator counts none of it once the peak is reset, so it would read as the
+  parameters and optimizer state alone);
 - the training loss of every step;
 - with ``--profile-steps N``: device time per step over N steps after P1 (CUDA kernels from
   ``torch.profiler``; on the CPU, self CPU time per op), and the top kernels.
@@ -104,9 +107,9 @@ def measure(args, recipe: str) -> dict:
             if step == p1:
                 sync()
                 state["window_s"] = time.perf_counter() - state["t0"]
-                steady = torch.cuda.max_memory_allocated(device) if cuda else None
-                state["steady_peak_bytes"] = steady
-                state["peak_bytes"] = max(state["peak_before_p0"], steady) if cuda else None
+                since_p0 = torch.cuda.max_memory_allocated(device) if cuda else None
+                state["steady_peak_bytes"] = None if args.cudagraphs else since_p0
+                state["peak_bytes"] = max(state["peak_before_p0"], since_p0) if cuda else None
                 if n_prof:
                     activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
                     state["prof"] = torch.profiler.profile(activities=[activity])
