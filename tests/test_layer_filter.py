@@ -177,3 +177,21 @@ def test_train_and_eval_keep_the_size_rule(tmp_path, capsys):
     assert cli.main([*args[:-1], "--out", str(tmp_path / "bad"), "--min-features", "-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith("min_features must be an int >= 0 (0 converts every size), got -1")
+
+
+def test_the_hopper_threshold_is_the_one_its_measurement_gives(monkeypatch):
+    """``HOPPER_MIN_FEATURES`` is what ``size_threshold`` decides from the committed H200 sweep,
+    for both recipes, eager and from a CUDA graph (the data behind the constant)."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    import bench_linear as bl
+
+    rows = [json.loads(line) for line in
+            (root / "benchmarks/results/layer_sizes_h200_2026-12-06/sizes.jsonl").read_text().splitlines()]
+    shapes = [r for r in rows if "shape" in r]
+    keys = {r["summary"] for r in rows if "summary" in r}
+    assert keys == set(bl.size_keys()) and len(shapes) == 36
+    assert {bl.size_threshold(shapes, key)["min_features"] for key in keys} == {C.HOPPER_MIN_FEATURES}

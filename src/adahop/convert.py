@@ -14,11 +14,15 @@ training step (T in the tens of thousands) it is set by the layer's smaller dim.
 is left in BF16 when ``min(in_features, out_features) < min_features``, the torchao float8
 filter's idea (it leaves small layers in BF16 where float8 is slower) in one number.
 ``size_filter(min_features)`` is the rule alone; ``default_module_filter(model, min_features=...)``
-is it with the LM-head rule; ``MIN_FEATURES`` is the default (0: every layer but the LM head).
-benchmarks/bench_linear.py's section ``sizes`` measures, per (out_features, in_features), whether
-an AdaHOPLinear forward + backward is faster than BF16's: the threshold comes from there, and
-holds for the tokens per step it was measured at. ``bf16_linears(model)`` lists, after the
-conversion, the ``nn.Linear`` layers left in BF16 and why.
+is it with the LM-head rule. benchmarks/bench_linear.py's section ``sizes`` measures, per
+(out_features, in_features), whether an AdaHOPLinear forward + backward is faster than BF16's:
+``HOPPER_MIN_FEATURES`` is the threshold it measured on the H200, for the tokens per step it was
+measured at. ``MIN_FEATURES``, the default, is 0 (every layer but the LM head): the rule is a
+speed setting to ask for, not a default, because at the measured threshold every layer of models
+up to 1B parameters, and Llama-8B's K and V projections, would stay BF16, and a recipe asked for
+would silently train nothing in MXFP4 (torchao's and torchtitan's small-layer filters are opt-in
+for the same reason). ``bf16_linears(model)`` lists, after the conversion, the ``nn.Linear``
+layers left in BF16 and why.
 """
 
 from __future__ import annotations
@@ -34,6 +38,12 @@ from adahop.linear import AdaHOPLinear
 LM_HEAD_NAMES = ("lm_head", "output", "head")
 # The smallest min(in_features, out_features) converted by default; 0 converts every size.
 MIN_FEATURES = 0
+# Where MXFP4 pays on Hopper: the smallest min(in_features, out_features) from which an
+# AdaHOPLinear forward + backward (hopper_fp8) beats BF16 nn.Linear in every shape measured, on
+# an H200 at 32,768 tokens per step, eager and replayed from a CUDA graph alike (1.24-1.31x at
+# (4096, 4096); below it no shape more than 4% faster, most 2-10x slower:
+# benchmarks/results/layer_sizes_h200_2026-12-06). More tokens per step lower it.
+HOPPER_MIN_FEATURES = 4096
 
 
 def check_min_features(min_features) -> int:
