@@ -215,3 +215,27 @@ def test_the_flag_reaches_the_run(corpus, tmp_path, capsys):
     assert len(err) == 1 and "calibration_micro_batches must divide batch_size" in err[0], err
     with pytest.raises(SystemExit):
         cli.main(args(tmp_path / "bad", "--calibration-micro-batches", "0"))
+
+
+def test_merged_parts_give_the_whole_tensors_quantization_statistics():
+    """What the measured policy reads, merged from parts: the tokens' total, the top-k shares from
+    the merged slice energies, and the NSRs along the tokens (whose blocks of 32 lie within a
+    part) as the whole tensor's; a part of zeros (no energy, NaN NSRs) weighs nothing."""
+    from adahop.patterns.calibration import observe_parts, observe_tensor, tensor_part
+
+    t = torch.randn(1024, 128, generator=torch.Generator().manual_seed(1))
+    t[::97] *= 20
+    t[:, 5] *= 4
+    t[768:] = 0  # the last quarter: a part of zeros
+    whole = observe_tensor(t, tau=2.0, k=8)
+    merged = observe_parts([tensor_part(c, k=8) for c in t.chunk(4)], tau=2.0, k=8)
+    assert merged.pattern == whole.pattern
+    assert merged.quant["rows"] == whole.quant["rows"] == 1024.0
+    for name in ("share_rows@8", "share_cols@8", "share_rows@16", "share_cols@16"):
+        assert merged.quant[name] == pytest.approx(whole.quant[name], rel=1e-6), name
+    for name in ("nsr_mxfp4_d0", "nsr_iht_d0"):
+        assert merged.quant[name] == pytest.approx(whole.quant[name], rel=1e-5), name
+    assert all(v == v for v in merged.quant.values() if isinstance(v, float))  # no NaN from the zero part
+    # the scale is the tensor's (a gradient can be tiny), not the zero part's: the same scores
+    tiny = observe_parts([tensor_part(c * 2.0**-100, k=8) for c in t.chunk(4)], tau=2.0, k=8)
+    assert (tiny.cv_row, tiny.cv_col, tiny.row_energy_topk) == (merged.cv_row, merged.cv_col, merged.row_energy_topk)

@@ -129,7 +129,7 @@ def observe_parts(parts: list[TensorPart], *, tau: float, k: int) -> TensorObser
         row_var, col_var, row_e, col_e, stats = p.row_var, p.col_var, p.row_energy, p.col_energy, dict(p.quant)
     else:
         row_var, col_var, row_e, col_e, weights = _merge(parts)
-        stats = _merge_quant([p.quant for p in parts], weights, row_e, col_e, k)
+        stats = _merge_quant([p.quant for p in parts], weights, row_e, col_e)
     scores = scores_of_variances(row_var, col_var)
     if row_var.numel() == 0 or col_var.numel() == 0:
         share_r = share_c = math.nan
@@ -142,7 +142,8 @@ def _merge(parts: list[TensorPart]):
     """The row and column statistics of the whole tensor from its parts, on the scale of the
     part with the largest exponent (``rescale``: exact powers of two), and each part's share of
     the energy."""
-    exp = max(p.exp for p in parts)
+    # (a part of zeros has no scale of its own: it must not set the common one)
+    exp = max((p.exp for p in parts if bool(p.row_energy.sum() > 0)), default=0)
     row_var = torch.cat([rescale(p.row_var, 2 * (p.exp - exp)) for p in parts])
     row_e = torch.cat([rescale(p.row_energy, 2 * (p.exp - exp)) for p in parts])
     n = torch.tensor([float(p.rows) for p in parts], dtype=torch.float64, device=row_var.device)
@@ -157,8 +158,10 @@ def _merge(parts: list[TensorPart]):
     return row_var, col_var, row_e, col_e, weights
 
 
-def _merge_quant(quants: list[dict], weights: list[float], row_e: torch.Tensor, col_e: torch.Tensor, k: int) -> dict:
-    """The parts' quantization statistics as one tensor's (``observe_parts``)."""
+def _merge_quant(quants: list[dict], weights: list[float], row_e: torch.Tensor, col_e: torch.Tensor) -> dict:
+    """The parts' quantization statistics as one tensor's (``observe_parts``); a part without
+    energy (all zeros: its NSRs are NaN) weighs nothing."""
+    parts = [(w, q) for w, q in zip(weights, quants) if w > 0] or list(zip(weights, quants))
     if not quants[0]:
         return {}
     out = {}
@@ -174,9 +177,9 @@ def _merge_quant(quants: list[dict], weights: list[float], row_e: torch.Tensor, 
             out[name] = (min((energy.topk(min(top, energy.numel())).values.sum() / total).item(), 1.0)
                          if total > 0 else math.nan)
         elif isinstance(first, list):
-            out[name] = [sum(w * q[name][i] for w, q in zip(weights, quants)) for i in range(len(first))]
+            out[name] = [sum(w * q[name][i] for w, q in parts) for i in range(len(first))]
         else:
-            out[name] = sum(w * q[name] for w, q in zip(weights, quants))
+            out[name] = sum(w * q[name] for w, q in parts)
     return out
 
 
