@@ -382,10 +382,9 @@ def _add_train_args(p):
                    help="what the GEMMs run while calibrating: bf16 (the paper's; the default) or iht "
                         "(IHT + MXFP4: each layer saves x packed instead of in BF16 for the backward)")
     g.add_argument("--calibration-micro-batches", type=_positive_int, metavar="S",
-                   help="run each calibration step's micro-batch as S micro-batches of batch-size/S sequences "
-                        "(the same update; the eager BF16 calibration's activation memory / S); each is one "
-                        "calibration step, so give S x the --calibration-steps. A no-op for recipes without "
-                        "calibration")
+                   help="run each calibration step's micro-batch as S parts of batch-size/S sequences: the same "
+                        "update and the same calibration (the parts make one observation), the eager BF16 "
+                        "calibration's activation memory / S. A no-op for recipes without calibration")
     g.add_argument("--dgrad-weight", choices=DGRAD_WEIGHTS, default=None,
                    help="the weight dgrad multiplies by: master (the layer's own, quantized on its own; the "
                         "default) or forward (the forward GEMM's quantized weight: one quantized W in both)")
