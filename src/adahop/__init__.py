@@ -1,8 +1,9 @@
 """adahop: LLM training with MXFP4 GEMMs at BF16 quality (AdaHOP, arXiv 2604.02525).
 
-Layers, bottom to top: formats (MXFP4) -> transforms (Hadamard) -> patterns (detection,
-calibration) -> policy (strategy tables) -> config -> ops (dispatch: reference today) -> linear
-(autograd Function + module) -> convert -> modes_io.
+Layers, bottom to top: formats (MXFP4) -> transforms (Hadamard, the operand spec) -> patterns
+(detection, calibration) -> policy (strategy tables) -> config -> kernels (Triton) and ops (the
+dispatch: reference, triton, hopper_fp8, native_mx) -> layer_ops (the GEMMs as torch.library ops)
+-> linear (the module) -> convert, modes_io, hf -> train, analyze, cli.
 """
 
 from adahop.config import RECIPES, AdaHOPConfig, GemmConfig
