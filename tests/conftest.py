@@ -20,6 +20,18 @@ def _single_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A byte-level corpus of three stdlib modules, built once per session: what the trainer,
+    the CLI and the comparison scripts train on in tests (a file may define its own)."""
+    from adahop.train import data, sources
+
+    out = tmp_path_factory.mktemp("corpus")
+    src = sources.cpython_stdlib_source(modules=("json", "textwrap", "string"), name="stdlib-mini")
+    data.build_corpus(out, sources=[src], tokenizer="byte", progress=False)
+    return out
+
+
 @pytest.fixture
 def no_network(monkeypatch):
     """Any registry client call (a subprocess of the corpus sources) fails the test."""

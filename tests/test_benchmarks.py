@@ -29,8 +29,6 @@ import pytest
 import torch
 
 from adahop.config import RECIPES
-from adahop.train import data as D
-from adahop.train import sources as S
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "common")
@@ -296,14 +294,6 @@ def test_check_hopper_on_cpu(on_cpu, tmp_path, monkeypatch, capsys):
 
 
 # ---- training scripts ---------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    out = tmp_path_factory.mktemp("corpus")
-    src = S.cpython_stdlib_source(modules=("json", "textwrap", "string"), name="stdlib-mini")
-    D.build_corpus(out, sources=[src], tokenizer="byte", progress=False)
-    return out
-
-
 SPEED = ["--preset", "debug", "--model-size", "tiny", "--no-compile", "--batch-size", "2", "--seq-len", "32",
          "--steps", "2", "4", "--calibration-steps", "1"]
 

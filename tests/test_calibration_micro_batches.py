@@ -20,9 +20,7 @@ import torch
 
 import adahop
 from adahop import cli
-from adahop.train import data as D
 from adahop.train import distributed as dist_mod
-from adahop.train import sources as S
 from adahop.train.compile import compile_model
 from adahop.train.run_log import read_log
 from adahop.train.trainer import TrainConfig, resume_conflicts, train
@@ -190,14 +188,6 @@ def test_a_split_run_resumes_exactly_and_refuses_another_split(tmp_path):
     del old["calibration_micro_batches"]
     assert TrainConfig.from_dict(old).calibration_micro_batches == 1
     assert resume_conflicts(old, config(tmp_path, steps=5)) == []
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    out = tmp_path_factory.mktemp("corpus")
-    src = S.cpython_stdlib_source(modules=("json", "textwrap", "string"), name="stdlib-mini")
-    D.build_corpus(out, sources=[src], tokenizer="byte", progress=False)
-    return out
 
 
 def test_the_flag_reaches_the_run(corpus, tmp_path, capsys):

@@ -12,9 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from adahop.train import data as D
-from adahop.train import sources as S
-
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 if str(BENCH) not in sys.path:  # the scripts import their shared helpers (benchmarks/common.py)
     sys.path.insert(0, str(BENCH))
@@ -26,14 +23,6 @@ def load(name):
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    out = tmp_path_factory.mktemp("corpus")
-    src = S.cpython_stdlib_source(modules=("json", "textwrap", "string"), name="stdlib-mini")
-    D.build_corpus(out, sources=[src], tokenizer="byte", progress=False)
-    return out
 
 
 def test_train_compare_serial_and_parallel(corpus, tmp_path, capsys):
