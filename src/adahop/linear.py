@@ -298,7 +298,8 @@ class AdaHOPLinear(nn.Linear):
         the backward op keeps the numerics it was called with, so a freeze there is safe)."""
         if self.config.calibration_gemms == "bf16":
             # BF16 GEMMs draw no SR bits: the parts of a split micro-batch count as one call, so
-            # that the draws after calibration are the unsplit run's
+            # that the draws after calibration are the unsplit run's (the trainer aligns a
+            # data-parallel rank's counter once for them too)
             if needs_backward and not self._parts["x"]:
                 self.rng_state[1] += 1
             return _CalibratingLinearFunction.apply(x_TK, self.weight, self)

@@ -541,10 +541,15 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
             for micro in range(cfg.grad_accum):
                 inputs, targets = par.shard(*next(train_batches))
                 inputs, targets = inputs.to(device), targets.to(device)
+                # The parts of a micro-batch whose layers all calibrate with BF16 GEMMs are one SR
+                # call (AdaHOPLinear: they draw no bits), so one rank's number; any other
+                # part is a call of its own.
+                one_call = splits > 1 and _bf16_calibrating(model)
                 with _split(model, splits):
                     for part, (part_inputs, part_targets) in enumerate(zip(inputs.chunk(splits),
                                                                            targets.chunk(splits))):
-                        counters = par.align_sr_counters()
+                        if part == 0 or not one_call:
+                            counters = par.align_sr_counters()
                         par.start_calibration_step()
                         last_part = micro == cfg.grad_accum - 1 and part == splits - 1
                         with par.no_sync(forward, last_micro_batch=last_part):
@@ -618,6 +623,12 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
                           json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1))
     par.barrier()  # the summary is written before any rank returns
     return summary
+
+
+def _bf16_calibrating(model: nn.Module) -> bool:
+    """Every converted layer of ``model`` calibrates, with BF16 GEMMs."""
+    layers = adahop.adahop_layers(model).values()
+    return bool(layers) and all(m.calibrating and m.config.calibration_gemms == "bf16" for m in layers)
 
 
 @contextlib.contextmanager
