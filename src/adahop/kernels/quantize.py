@@ -350,11 +350,6 @@ _QUANTIZE = FastLauncher(_mxfp4_quantize_kernel)
 # for the two passes, with 8,192 elements per program), hence up to 2,048.
 DEFAULT_LAUNCH = dict(block_r=16, block_k=256, num_warps=4, single_chunk_max=2048)
 SINGLE_CHUNK_ELEMENTS = 8192  # per program, when a row is one chunk
-LAUNCH_CONFIGS: dict[tuple[int, bool], dict] = {}
-
-
-def launch_config(dim: int, e4m3: bool) -> dict:
-    return dict(LAUNCH_CONFIGS.get((dim % 2, e4m3), DEFAULT_LAUNCH))
 
 
 # Programs a launch should have to fill the GPU (a few per SM): operands with few rows (x or g
@@ -444,7 +439,7 @@ def quantize_operand_triton(
         raise ValueError(f"round_to_bf16 takes a float32 operand, got {x.dtype}")
     check_spec(spec)
     dim = dim % 2
-    cfg = launch_config(dim, e4m3)
+    cfg = DEFAULT_LAUNCH  # every form: within 6% of the best shape for each (docs/kernels.md)
     block_r = cfg["block_r"] if block_r is None else block_r
     block_k = cfg["block_k"] if block_k is None else block_k
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
