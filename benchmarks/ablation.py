@@ -138,6 +138,8 @@ VARIANTS: dict[str, Variant] = {
                                (("bf16_phase_start", 0.75), ("bf16_phase_gemms", GEMMS))),
     "lv2_bf16_fprop_tail": Variant(_LV2, "lv2, fprop in BF16 for the last 18%", _FPROP_TAIL),
     "lv2_one_weight_fprop_tail": Variant(_ONE_W, "lv2 + one weight, fprop in BF16 for the last 18%", _FPROP_TAIL),
+    "measured_fprop_tail": Variant(_recipe("adahop_measured"), "the measured policy, fprop in BF16 for the last 18%",
+                                   _FPROP_TAIL),
     # weight-oscillation dampening (train/oscillation.py)
     "lv2_damp1e-3": Variant(_LV2, "lv2, oscillation dampening lambda 1e-3", (("oscillation_dampening", 1e-3),)),
     "lv2_damp1e-2": Variant(_LV2, "lv2, oscillation dampening lambda 1e-2", (("oscillation_dampening", 1e-2),)),
