@@ -29,9 +29,12 @@ During calibration (adaptive recipes, training mode, grad enabled) every GEMM ru
 precision (or, with ``calibration_gemms="iht"``, in IHT + MXFP4) while x and w are classified in
 the forward and g in the backward; after
 ``calibration_steps`` backward passes the layer votes its patterns, the policy picks the modes,
-and they are frozen (and saved in the state_dict as extra state). Calibration runs eagerly (it
-reads its statistics back to the host each step): a compiled model breaks its graph at a
-calibrating layer, and compiles once more, without breaks, when the modes freeze.
+and they are frozen (and saved in the state_dict as extra state). The observations stay on the
+device and add up there (``patterns.calibration``): a calibration step reads nothing back to the
+host, except the one that reaches ``calibration_steps``, whose freeze reads the summary once.
+Calibration runs eagerly (its statistics are many small ops, and their running sums Python-held
+state): a compiled model breaks its graph at a calibrating layer, and compiles once more, without
+breaks, when the modes freeze.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from adahop.layer_ops import (  # noqa: F401  (GemmPlan, LayerPlan, make_gemm_pl
     mxfp4_gemm,
     numerics_key,
 )
-from adahop.patterns.calibration import LayerCalibration, observe_parts, tensor_part
+from adahop.patterns.calibration import LayerCalibration, observe_on_device, tensor_part
 from adahop.patterns.detect import check_patterns
 from adahop.policy import GEMMS, policy_result, table_policy
 
@@ -182,21 +185,24 @@ class AdaHOPLinear(nn.Linear):
         # along dim 0 too: dgrad quantizes it along N.
         part = tensor_part(t, k=k, quant=self.config.policy == "measured",
                            profile_dims=(1, 0) if role == "w" else (1,))
+        # (all on the device: the observation is added there, and read back at the freeze)
         if parts is None or self.calibration_parts == 1:
-            self.calibration.add(role, observe_parts([part], tau=self.config.tau, k=k))
+            self.calibration.add(role, observe_on_device([part], tau=self.config.tau, k=k))
             return
         parts.append(part)
         if len(parts) == self.calibration_parts:  # the micro-batch is whole: one observation
-            self.calibration.add(role, observe_parts(parts, tau=self.config.tau, k=k))
+            self.calibration.add(role, observe_on_device(parts, tau=self.config.tau, k=k))
             parts.clear()
 
     def _after_calibration_step(self) -> None:
+        # (the step count is host-side: only the freeze reads the observations back)
         if (self.freeze_when_calibrated and self.calibrating
                 and self.calibration.steps >= self.config.calibration_steps):
             self.finish_calibration()
 
     def finish_calibration(self) -> dict:
-        """Vote the patterns, let the policy pick the modes, freeze them. Returns the modes."""
+        """Vote the patterns, let the policy pick the modes, freeze them. Returns the modes. The
+        calibration's one read of the device: its summary (``LayerCalibration.summary``)."""
         if not self.config.adaptive:
             raise ValueError(f"recipe {self.config.recipe!r} is not adaptive: it has no calibration")
         if self.calibration.steps == 0:
@@ -292,7 +298,7 @@ class AdaHOPLinear(nn.Linear):
 
     @torch.compiler.disable
     def _calibration_step(self, x_TK: torch.Tensor, needs_backward: bool) -> torch.Tensor:
-        """A calibration forward (eager: its observations are read on the host). With
+        """A calibration forward (eager; its observations stay on the device until the freeze). With
         ``calibration_gemms="iht"`` the GEMMs run the ops with IHT + MXFP4 modes while x and w
         are observed here and g by a hook on the output's gradient (which also counts the step:
         the backward op keeps the numerics it was called with, so a freeze there is safe)."""

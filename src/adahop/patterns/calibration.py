@@ -1,227 +1,230 @@
 """Calibration: per-layer statistics of X, W and G over the first training steps, then a vote.
 
-During calibration a layer runs its GEMMs in high precision and, every step, classifies its
-activation X (as [T, K]), weight W ([N, K]) and output gradient G ([T, N]). It also records the
-detector scores, the energy share of the top-k rows and columns, and how well the tensor quantizes
-along each dim under naive MXFP4, IHT and IHT + OE at a ladder of k (``quant_error``), so that a
-policy can use more than the labels (docs/method.md, 'Calibration'). When the layer has seen ``calibration_steps``
-backward passes, each tensor's pattern is the majority vote of its labels (a tie between the leaders
-gives "none": without a clear majority we make no structural claim), and the patterns stay frozen
-for the rest of training.
+During calibration a layer runs its GEMMs in high precision and, every step, observes its
+activation X (as [T, K]), weight W ([N, K]) and output gradient G ([T, N]) (``patterns.observation``:
+the label, the detector scores, the top-k energy shares and the quantization statistics; docs/method.md,
+'Calibration'). When the layer has seen ``calibration_steps`` backward passes, each tensor's
+pattern is the majority vote of its labels (a tie between the leaders gives "none": without a
+clear majority we make no structural claim), and the patterns stay frozen for the rest of training.
 
-A micro-batch split into parts (``TrainConfig.calibration_micro_batches``: the parts' forward and
-backward passes run one after the other, for memory) is still one observation: each part leaves a
-``TensorPart`` (its rows' variances and energies, its columns' means, variances and energies, on
-one power-of-two scale), and ``observe_parts`` merges them into the statistics of the whole
-tensor, to float rounding, without ever holding it. The detector's scores depend on how many rows
-a tensor has (a few outlier tokens stand out more among fewer), so observing each part on its own
-would change the labels.
+What calibration keeps, per tensor role: the votes, the running sum of each statistic over the
+steps where it was finite (a profile, a list, element-wise, when whole and of one length), and
+those counts; a summary is the vote and the means.
 
-Everything here is plain Python data, so it goes into a ``state_dict`` (extra state) that loads
-with ``torch.load(weights_only=True)`` and dumps to JSON. The statistics are running sums keyed by
-name: the state of an older calibration (without the quantization statistics) loads as it is, and
-its summary simply lacks them.
+Where they live. A training step's observations stay on the device (``DeviceObservation``) and are
+added there: each role's votes, counts and sums are one float64 vector on the observed tensor's
+device (``_Layout`` says where each number is), and a step adds one vector to it, so a
+calibrating step never waits for the device (a host read per statistic would serialize it). The
+host reads the vector once, when something needs plain numbers: the vote and the summary at the
+freeze (``summary``, ``patterns``; linear.py), a checkpoint (``to_dict``), the data-parallel merge
+(``read_calibrations``; train/distributed.py). The read leaves the state as plain Python data again
+(the device vector is dropped; the next device observation starts a new one from it). The sums are
+the ones the host would make: every statistic in float64 (a float32 one converted exactly), added in
+step order. Observations read back already (``TensorObservation``: the study tools, tests) are added
+on the host.
+
+The plain data is what goes into a ``state_dict`` (extra state): it loads with
+``torch.load(weights_only=True)`` and dumps to JSON. The statistics are running sums keyed by name:
+the state of an older calibration (without the quantization statistics) loads as it is, and its
+summary simply lacks them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
-from adahop.patterns.detect import (
-    PATTERNS,
-    as_rows,
-    classify_scores,
-    is_finite,
-    rescale,
-    scores_of_variances,
-    shares_of,
-    slice_energies,
-    unit_scaled_exponent,
+from adahop.patterns.detect import PATTERNS
+from adahop.patterns.observation import (  # noqa: F401  (observe_tensor, observe_parts, tensor_part: public here)
+    STAT_NAMES,
+    DeviceObservation,
+    TensorObservation,
+    TensorPart,
+    observe_on_device,
+    observe_parts,
+    observe_tensor,
+    tensor_part,
 )
-from adahop.patterns.quant_error import PROFILE_DIMS, oe_k_ladder, quant_stats, stat_names
 
 TENSOR_ROLES = ("x", "w", "g")  # activation [T, K], weight [N, K], output gradient [T, N]
-STAT_NAMES = ("cv_row", "cv_col", "row_energy_topk", "col_energy_topk")
 
 
-@dataclass
-class TensorObservation:
-    pattern: str
-    cv_row: float
-    cv_col: float
-    row_energy_topk: float
-    col_energy_topk: float
-    quant: dict = field(default_factory=dict)  # quant_error.quant_stats: name -> value
+@dataclass(frozen=True)
+class _Layout:
+    """Where each number of a role's device vector is:
+
+        [votes (one per PATTERNS) | finite counts (scalars, then profiles) | seen (profiles) |
+         sums of the scalars | sums of the profiles, one after the other]
+
+    ``scalars``: (name, index in the observation's ``values``); ``profiles``: (name, length).
+    "seen": the observation had the profile (the host's state then holds the key, None until it
+    was once finite). ``key``: the observations it takes (their names and profile lengths)."""
+
+    key: tuple
+    scalars: tuple
+    profiles: tuple
+    all_scalars: bool
+
+    @staticmethod
+    def key_of(obs: DeviceObservation) -> tuple:
+        return obs.names, tuple((n, p.numel()) for n, p in obs.profiles.items())
+
+    @classmethod
+    def of(cls, obs: DeviceObservation, sums: dict) -> _Layout:
+        """The layout of ``obs``'s statistics, but those the host holds in another form (a list
+        where a number comes, a profile of another length, a number where a profile comes): they
+        keep their host value, as the host's ``add`` leaves them."""
+        scalars = tuple((n, i) for i, n in enumerate(obs.names)
+                        if isinstance(sums.get(n, 0.0), (int, float)))
+        profiles = tuple((n, p.numel()) for n, p in obs.profiles.items()
+                         if sums.get(n) is None or (isinstance(sums[n], list) and len(sums[n]) == p.numel()))
+        return cls(cls.key_of(obs), scalars, profiles, len(scalars) == len(obs.names))
+
+    def size(self) -> int:
+        return len(PATTERNS) + 2 * len(self.scalars) + 2 * len(self.profiles) + sum(n for _, n in self.profiles)
+
+    def upload(self, cal: TensorCalibration, device: torch.device) -> torch.Tensor:
+        """The vector holding ``cal``'s host state: zeros (made on the device) for a fresh one,
+        else one copy from the host that does not wait for the device."""
+        host = ([float(cal._votes.get(p, 0)) for p in PATTERNS]
+                + [float(cal._counts.get(n, 0)) for n, _ in self.scalars + self.profiles]
+                + [1.0 if n in cal._sums else 0.0 for n, _ in self.profiles]
+                + [float(cal._sums.get(n, 0.0)) for n, _ in self.scalars])
+        for n, length in self.profiles:
+            host += cal._sums[n] if isinstance(cal._sums.get(n), list) else [0.0] * length
+        if not any(host):
+            return torch.zeros(len(host), dtype=torch.float64, device=device)
+        t = torch.tensor(host, dtype=torch.float64)
+        return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+    def vector(self, obs: DeviceObservation) -> torch.Tensor:
+        """What ``obs`` adds (on its device): a vote, and each statistic with a count of 1 where
+        finite (a profile: present, of a finite tensor, all finite), else 0 and nothing."""
+        device = obs.values.device
+        values = obs.values if self.all_scalars else torch.stack([obs.values[i] for _, i in self.scalars])
+        finite = torch.isfinite(values)
+        parts = [(torch.arange(len(PATTERNS), device=device) == obs.label).double(), finite.double()]
+        sums = [torch.where(finite, values, 0.0)]
+        if self.profiles:
+            seen = obs.profiles_present
+            counted = []
+            for name, _ in self.profiles:
+                p = obs.profiles[name].double()
+                ok = seen & obs.finite & torch.isfinite(p).all()
+                counted.append(ok)
+                sums.append(torch.where(ok, p, 0.0))
+            parts += [torch.stack(counted).double(), seen.double().expand(len(self.profiles))]
+        return torch.cat(parts + sums)
+
+    def absorb(self, cal: TensorCalibration, values: list[float]) -> None:
+        """Write the vector read back (``values``) into ``cal``'s host state."""
+        n_s, n_p = len(self.scalars), len(self.profiles)
+        votes, at = values[:len(PATTERNS)], len(PATTERNS)
+        counts, at = values[at:at + n_s + n_p], at + n_s + n_p
+        seen, at = values[at:at + n_p], at + n_p
+        scalar_sums, at = values[at:at + n_s], at + n_s
+        for p, v in zip(PATTERNS, votes):
+            cal._votes[p] = int(v)
+        for (name, _), c, s in zip(self.scalars, counts, scalar_sums):
+            cal._counts[name] = int(c)
+            cal._sums[name] = s
+        for (name, length), c, was_seen in zip(self.profiles, counts[n_s:], seen):
+            total, at = values[at:at + length], at + length
+            if was_seen:
+                cal._counts[name] = int(c)
+                cal._sums[name] = total if c else None
 
 
-def observe_tensor(t: torch.Tensor, *, tau: float, k: int, quant: bool = True,
-                   profile_dims: tuple[int, ...] = PROFILE_DIMS) -> TensorObservation:
-    """What calibration records of one tensor at one step: the label, the detector scores, the
-    top-k energy shares and (``quant``) the quantization statistics at the OE k ladder of ``k``
-    (``quant_error.oe_k_ladder``), with profiles along ``profile_dims`` (dim 1 by default; a
-    weight's dim 0 too, whose index is a feature). A tensor holding NaN or Inf gets "none" and NaN
-    statistics. One scaled copy of the tensor serves every statistic."""
-    return observe_parts([tensor_part(t, k=k, quant=quant, profile_dims=profile_dims)], tau=tau, k=k)
+class TensorCalibration:
+    """Votes and running sums of one tensor role of one layer (see the module doc). As plain
+    data: ``votes`` (pattern -> count), ``sums`` (statistic -> running sum: a float, a list for a
+    profile, None for a profile never finite) and ``finite_counts``; reading any of them (or
+    ``means``, ``majority``, ``to_dict``) reads the device observations added since the last read
+    (``read_all``). ``steps`` is counted on the host and reads nothing."""
 
-
-@dataclass
-class TensorPart:
-    """One part of a tensor split along its rows (a micro-batch's tokens), as ``observe_parts``
-    merges it: the part scaled by ``2**-exp`` (``detect.unit_scaled``) and, on that scale, its
-    rows' variances and squared norms, its columns' means, variances and squared norms, and its
-    quantization statistics (``quant_error.quant_stats``; {} when not asked). ``finite`` False:
-    the part holds NaN or Inf (then nothing else is kept)."""
-
-    finite: bool
-    exp: int = 0
-    row_var: torch.Tensor | None = None
-    row_energy: torch.Tensor | None = None
-    col_mean: torch.Tensor | None = None
-    col_var: torch.Tensor | None = None
-    col_energy: torch.Tensor | None = None
-    quant: dict = field(default_factory=dict)
+    def __init__(self, votes: dict | None = None, sums: dict | None = None, finite_counts: dict | None = None):
+        self._votes = dict(votes) if votes is not None else {p: 0 for p in PATTERNS}
+        self._sums = dict(sums) if sums is not None else {s: 0.0 for s in STAT_NAMES}
+        self._counts = dict(finite_counts) if finite_counts is not None else {s: 0 for s in STAT_NAMES}
+        self._layout: _Layout | None = None
+        self._acc: torch.Tensor | None = None  # the device vector (_Layout), None when all is on the host
+        self._pending = 0  # observations in _acc, not yet in _votes
 
     @property
-    def rows(self) -> int:
-        return self.row_var.numel()
+    def votes(self) -> dict:
+        self.read()
+        return self._votes
 
+    @property
+    def sums(self) -> dict:
+        self.read()
+        return self._sums
 
-def tensor_part(t: torch.Tensor, *, k: int, quant: bool = True,
-                profile_dims: tuple[int, ...] = PROFILE_DIMS) -> TensorPart:
-    """The ``TensorPart`` of ``t`` (as 2-D rows; see ``observe_tensor`` for ``k``, ``quant`` and
-    ``profile_dims``)."""
-    ks = oe_k_ladder(k)
-    m = as_rows(t).detach()
-    if not is_finite(m):
-        return TensorPart(False, quant=dict.fromkeys(stat_names(ks), math.nan) if quant else {})
-    m, exp = unit_scaled_exponent(m)
-    rows, cols = m.shape
-    row_e, col_e = slice_energies(m)
-    stats = {}
-    if quant:
-        stats = (quant_stats(m, ks, energies=(row_e, col_e), profile_dims=profile_dims) if m.numel()
-                 else dict.fromkeys(stat_names(ks), math.nan))
-    # (a variance needs two values: a single row or column gets zeros, which the scores ignore)
-    row_var = m.var(dim=1) if cols > 1 and rows else torch.zeros(rows, device=m.device)
-    col_var = m.var(dim=0) if rows > 1 and cols else torch.zeros(cols, device=m.device)
-    col_mean = m.mean(dim=0) if rows else torch.zeros(cols, device=m.device)
-    return TensorPart(True, exp, row_var, row_e, col_mean, col_var, col_e, stats)
-
-
-def observe_parts(parts: list[TensorPart], *, tau: float, k: int) -> TensorObservation:
-    """The observation of the tensor whose row-parts are ``parts`` (``tensor_part`` of each, in
-    any order): what ``observe_tensor`` gives for the whole tensor, to float rounding (exactly,
-    for one part). Per row everything is the part's own; per column the variances merge by Chan's
-    formula and the squared norms add, on the largest part's scale. The quantization statistics
-    are the parts' means weighted by their energy (exact for the NSRs and profiles of naive MXFP4
-    and IHT, whose blocks lie within a part; each part ranks its own OE candidates), their OE top-k
-    shares recomputed from the merged slice energies, and "rows" the total."""
-    if not parts:
-        raise ValueError("observe_parts needs at least one part")
-    if not all(p.finite for p in parts):
-        stats = dict.fromkeys(parts[0].quant, math.nan)
-        return TensorObservation("none", math.nan, math.nan, math.nan, math.nan, stats)
-    if len(parts) == 1:
-        p = parts[0]
-        row_var, col_var, row_e, col_e, stats = p.row_var, p.col_var, p.row_energy, p.col_energy, dict(p.quant)
-    else:
-        row_var, col_var, row_e, col_e, weights = _merge(parts)
-        stats = _merge_quant([p.quant for p in parts], weights, row_e, col_e)
-    scores = scores_of_variances(row_var, col_var)
-    if row_var.numel() == 0 or col_var.numel() == 0:
-        share_r = share_c = math.nan
-    else:
-        share_r, share_c = shares_of(row_e, col_e, k)
-    return TensorObservation(classify_scores(scores, tau), scores.cv_row, scores.cv_col, share_r, share_c, stats)
-
-
-def _merge(parts: list[TensorPart]):
-    """The row and column statistics of the whole tensor from its parts, on the scale of the
-    part with the largest exponent (``rescale``: exact powers of two), and each part's share of
-    the energy."""
-    # (a part of zeros has no scale of its own: it must not set the common one)
-    exp = max((p.exp for p in parts if bool(p.row_energy.sum() > 0)), default=0)
-    row_var = torch.cat([rescale(p.row_var, 2 * (p.exp - exp)) for p in parts])
-    row_e = torch.cat([rescale(p.row_energy, 2 * (p.exp - exp)) for p in parts])
-    n = torch.tensor([float(p.rows) for p in parts], dtype=torch.float64, device=row_var.device)
-    means = torch.stack([rescale(p.col_mean, p.exp - exp).double() for p in parts])  # [parts, cols]
-    m2 = torch.stack([rescale(p.col_var, 2 * (p.exp - exp)).double() for p in parts]) * (n - 1)[:, None]
-    mean = (means * n[:, None]).sum(0) / n.sum()
-    # Chan et al.: the sum of squared deviations of the whole from the parts' own and their means'
-    col_var = ((m2 + n[:, None] * (means - mean).square()).sum(0) / (n.sum() - 1)).float()
-    col_e = torch.stack([rescale(p.col_energy, 2 * (p.exp - exp)) for p in parts]).sum(0)
-    energies = torch.stack([rescale(p.row_energy, 2 * (p.exp - exp)).sum() for p in parts]).double()
-    weights = (energies / energies.sum()).tolist() if energies.sum() > 0 else [1.0 / len(parts)] * len(parts)
-    return row_var, col_var, row_e, col_e, weights
-
-
-def _merge_quant(quants: list[dict], weights: list[float], row_e: torch.Tensor, col_e: torch.Tensor) -> dict:
-    """The parts' quantization statistics as one tensor's (``observe_parts``); a part without
-    energy (all zeros: its NSRs are NaN) weighs nothing."""
-    parts = [(w, q) for w, q in zip(weights, quants) if w > 0] or list(zip(weights, quants))
-    if not quants[0]:
-        return {}
-    out = {}
-    for name, first in quants[0].items():
-        if name == "rows":
-            out[name] = float(sum(q[name] for q in quants))
-        elif name == "cols":
-            out[name] = first
-        elif name.startswith("share_"):  # the share of the k largest slices of the whole tensor
-            energy = row_e if name.startswith("share_rows") else col_e
-            top = int(name.split("@")[1])
-            total = energy.sum()
-            out[name] = (min((energy.topk(min(top, energy.numel())).values.sum() / total).item(), 1.0)
-                         if total > 0 else math.nan)
-        elif isinstance(first, list):
-            out[name] = [sum(w * q[name][i] for w, q in parts) for i in range(len(first))]
-        else:
-            out[name] = sum(w * q[name] for w, q in parts)
-    return out
-
-
-@dataclass
-class TensorCalibration:
-    """Votes and running sums of one tensor role of one layer."""
-
-    votes: dict = field(default_factory=lambda: {p: 0 for p in PATTERNS})
-    sums: dict = field(default_factory=lambda: {s: 0.0 for s in STAT_NAMES})
-    finite_counts: dict = field(default_factory=lambda: {s: 0 for s in STAT_NAMES})
-
-    def add(self, obs: TensorObservation) -> None:
-        self.votes[obs.pattern] += 1
-        values = {**{s: getattr(obs, s) for s in STAT_NAMES}, **obs.quant}
-        for s, v in values.items():
-            self.finite_counts.setdefault(s, 0)
-            if isinstance(v, list):  # a profile: summed element-wise, when whole and of one length
-                total = self.sums.setdefault(s, None)
-                if all(math.isfinite(e) for e in v) and (total is None or len(total) == len(v)):
-                    self.sums[s] = list(v) if total is None else [a + b for a, b in zip(total, v)]
-                    self.finite_counts[s] += 1
-                continue
-            self.sums.setdefault(s, 0.0)
-            if math.isfinite(v):
-                self.sums[s] += float(v)
-                self.finite_counts[s] += 1
+    @property
+    def finite_counts(self) -> dict:
+        self.read()
+        return self._counts
 
     @property
     def steps(self) -> int:
-        return sum(self.votes.values())
+        """Observations so far (host-side: nothing is read)."""
+        return sum(self._votes.values()) + self._pending
+
+    def add(self, obs: DeviceObservation | TensorObservation) -> None:
+        """Add one observation: a ``DeviceObservation`` on its device (no host read), a
+        ``TensorObservation`` (Python data) on the host."""
+        if isinstance(obs, DeviceObservation):
+            self._add_on_device(obs)
+        else:
+            self.read()
+            self._add_on_host(obs)
+
+    def _add_on_device(self, obs: DeviceObservation) -> None:
+        device = obs.values.device
+        if self._layout is None or self._layout.key != _Layout.key_of(obs) or self._acc.device != device:
+            self.read()  # (a new run of device observations: another layout or device, or a read since)
+            self._layout = _Layout.of(obs, self._sums)
+            self._acc = self._layout.upload(self, device)
+        self._acc += self._layout.vector(obs)
+        self._pending += 1
+
+    def _add_on_host(self, obs: TensorObservation) -> None:
+        self._votes[obs.pattern] += 1
+        values = {**{s: getattr(obs, s) for s in STAT_NAMES}, **obs.quant}
+        for s, v in values.items():
+            self._counts.setdefault(s, 0)
+            if isinstance(v, list):  # a profile: summed element-wise, when whole and of one length
+                total = self._sums.setdefault(s, None)
+                if all(math.isfinite(e) for e in v) and (total is None or len(total) == len(v)):
+                    self._sums[s] = list(v) if total is None else [a + b for a, b in zip(total, v)]
+                    self._counts[s] += 1
+                continue
+            self._sums.setdefault(s, 0.0)
+            if math.isfinite(v):
+                self._sums[s] += float(v)
+                self._counts[s] += 1
+
+    def read(self) -> None:
+        """Bring the device observations to the host state (one read of the device; nothing to
+        do when there are none)."""
+        read_all([self])
 
     def majority(self) -> str:
-        best = max(self.votes.values())
-        leaders = [p for p in PATTERNS if self.votes[p] == best]
+        votes = self.votes
+        best = max(votes.values())
+        leaders = [p for p in PATTERNS if votes[p] == best]
         return leaders[0] if len(leaders) == 1 else "none"
 
     def means(self) -> dict:
         """Mean of each statistic over the steps where it was finite (NaN if it never was; a
         profile that never was is left out)."""
+        self.read()
         out = {}
-        for s, total in self.sums.items():
-            n = self.finite_counts[s]
+        for s, total in self._sums.items():
+            n = self._counts[s]
             if isinstance(total, list):
                 out[s] = [v / n for v in total]
             elif total is not None:
@@ -229,12 +232,39 @@ class TensorCalibration:
         return out
 
     def to_dict(self) -> dict:
-        return {"votes": dict(self.votes), "sums": dict(self.sums), "finite_counts": dict(self.finite_counts)}
+        self.read()
+        return {"votes": dict(self._votes), "sums": dict(self._sums), "finite_counts": dict(self._counts)}
 
     @classmethod
     def from_dict(cls, d: dict) -> TensorCalibration:
         sums = {s: list(v) if isinstance(v, (list, tuple)) else v for s, v in d["sums"].items()}
         return cls(dict(d["votes"]), sums, dict(d["finite_counts"]))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, TensorCalibration):
+            return NotImplemented
+        return self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        where = f", {self._pending} on the device" if self._acc is not None else ""
+        return f"TensorCalibration(steps={self.steps}{where})"
+
+
+def read_all(calibrations: Iterable[TensorCalibration]) -> None:
+    """Bring the device observations of ``calibrations`` to their host state with one read per
+    device (the vectors concatenated)."""
+    by_device: dict = {}
+    for cal in calibrations:
+        if cal._acc is not None:
+            by_device.setdefault(cal._acc.device, []).append(cal)
+    for group in by_device.values():
+        flat = torch.cat([cal._acc for cal in group]).tolist()  # the read
+        at = 0
+        for cal in group:
+            n = cal._acc.numel()
+            cal._layout.absorb(cal, flat[at:at + n])
+            at += n
+            cal._layout, cal._acc, cal._pending = None, None, 0
 
 
 @dataclass
@@ -243,24 +273,36 @@ class LayerCalibration:
 
     tensors: dict = field(default_factory=lambda: {r: TensorCalibration() for r in TENSOR_ROLES})
 
-    def add(self, role: str, obs: TensorObservation) -> None:
+    def add(self, role: str, obs: DeviceObservation | TensorObservation) -> None:
         self.tensors[role].add(obs)
 
     @property
     def steps(self) -> int:
-        """Completed calibration steps: the number of observed output gradients."""
+        """Completed calibration steps: the number of observed output gradients (host-side)."""
         return self.tensors["g"].steps
 
+    def read(self) -> None:
+        """The three roles' device observations to the host, in one read."""
+        read_all(self.tensors.values())
+
     def patterns(self) -> dict:
+        self.read()
         return {r: self.tensors[r].majority() for r in TENSOR_ROLES}
 
     def summary(self) -> dict:
         """What a policy sees: per role, the voted pattern and the mean statistics."""
+        self.read()
         return {r: {"pattern": self.tensors[r].majority(), **self.tensors[r].means()} for r in TENSOR_ROLES}
 
     def to_dict(self) -> dict:
+        self.read()
         return {r: t.to_dict() for r, t in self.tensors.items()}
 
     @classmethod
     def from_dict(cls, d: dict) -> LayerCalibration:
         return cls({r: TensorCalibration.from_dict(d[r]) for r in TENSOR_ROLES})
+
+
+def read_calibrations(calibrations: Iterable[LayerCalibration]) -> None:
+    """The device observations of many layers to the host, in one read (per device)."""
+    read_all(t for cal in calibrations for t in cal.tensors.values())

@@ -21,6 +21,15 @@ tensor is small enough; the power-of-two scaling is exact, so scores and labels 
 the scale (to float32 rounding for a factor that is not a power of two), and no square under- or
 overflows. An all-zero tensor scores (0, 0): "none". A tensor with fewer than 2 rows or columns,
 or any NaN/Inf, is "none" (nothing can be said about it) and its scores are NaN.
+
+Each statistic is computed on the tensor's device and stays there (``all_finite``,
+``unit_scaled_exponent``, ``score_tensor``, ``label_of``, ``share_tensor``: tensors, no data-dependent
+Python branch), so that calibration observes every layer at every step without waiting for the
+device (``patterns.calibration``). The functions that return Python numbers (``outlier_scores``,
+``classify_scores``, ``topk_energy_share``, ``detect_outlier_pattern``, ...) read those tensors
+back once, at their end. The device versions compute what the host arithmetic on ``.item()``
+values computed, bit for bit: float64 where it was Python floats, a division by a 0-d tensor
+where it divided Python floats.
 """
 
 from __future__ import annotations
@@ -50,8 +59,14 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # not -1: fails on 0 columns
 
 
+def all_finite(t: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor: ``t`` holds no NaN or Inf (on t's device: nothing is read back)."""
+    return torch.isfinite(t).all()
+
+
 def is_finite(t: torch.Tensor) -> bool:
-    return bool(torch.isfinite(t).all())
+    """``all_finite`` read back to the host."""
+    return bool(all_finite(t))
 
 
 def unit_scaled(m: torch.Tensor) -> torch.Tensor:
@@ -62,28 +77,36 @@ def unit_scaled(m: torch.Tensor) -> torch.Tensor:
     return unit_scaled_exponent(m)[0]
 
 
-def unit_scaled_exponent(m: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``(unit_scaled(m), e)`` with ``m = unit_scaled(m) * 2**e`` (e = 0 for an all-zero or empty
-    ``m``): what statistics of several tensors need to be brought to one scale (``rescale``)."""
+def unit_scaled_exponent(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(unit_scaled(m), e)`` with ``m = unit_scaled(m) * 2**e``, ``e`` a 0-d int64 tensor on m's
+    device (0 for an all-zero or empty ``m``; meaningless for a non-finite one): what statistics
+    of several tensors need to be brought to one scale (``rescale``). Nothing is read back: the
+    exponent is ``frexp`` of the absolute maximum, on the device."""
     if m.numel() == 0:
-        return m.to(torch.float32), 0
+        return m.to(torch.float32), torch.zeros((), dtype=torch.int64, device=m.device)
     lo, hi = torch.aminmax(m)  # one pass, no |m| temporary
-    amax = max(-lo.item(), hi.item())
-    if amax == 0:
-        return m.to(torch.float32), 0
-    _, e = math.frexp(amax)  # amax = f * 2**e, 0.5 <= f < 1
+    amax = torch.where(hi > -lo, hi, -lo).double()  # max(-lo, hi), exact in float64
+    e = torch.frexp(amax).exponent.to(torch.int64)  # amax = f * 2**e, 0.5 <= f < 1 (e = 0 for 0)
     if m.dtype == torch.float64:  # scaled before the cast: a float64 beyond float32's range is fine
-        return (m * math.ldexp(1.0, -e)).to(torch.float32), e
+        return rescale(m, -e).to(torch.float32), e
     return rescale(m.to(torch.float32), -e), e
 
 
-def rescale(v: torch.Tensor, e: int) -> torch.Tensor:
-    """``v * 2**e`` for float32 ``v``, exact but for results below float32's normal range: one
-    multiply where 2**e is a normal float32, else two, each by a normal power of two."""
-    if -126 <= e <= 127:
-        return v * math.ldexp(1.0, e)
-    half = e // 2
-    return v * math.ldexp(1.0, half) * math.ldexp(1.0, e - half)
+def _pow2(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """2**e for an integer tensor ``e`` in ``dtype``, as the Python float ``2.0**e`` cast to it
+    (0 or a subnormal below its range, Inf above): made from float64 bits (e clamped to
+    float64's normal range, which every caller's e lies in)."""
+    bits = (e.to(torch.int64).clamp(-1022, 1023) + 1023) << 52
+    return bits.view(torch.float64).to(dtype)
+
+
+def rescale(v: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """``v * 2**e`` for float32 or float64 ``v`` and an integer tensor ``e`` (0-d, on v's
+    device), exact but for results below the normal range: one multiply by 2**e where it is a
+    normal number of v's dtype (then times 1), else two, by 2**(e // 2) and 2**(e - e // 2)."""
+    lo, hi = (-126, 127) if v.dtype == torch.float32 else (-1022, 1023)
+    first = torch.where((e >= lo) & (e <= hi), e, torch.div(e, 2, rounding_mode="floor"))
+    return v * _pow2(first, v.dtype) * _pow2(e - first, v.dtype)
 
 
 def unit_rows(t: torch.Tensor) -> torch.Tensor | None:
@@ -92,11 +115,17 @@ def unit_rows(t: torch.Tensor) -> torch.Tensor | None:
     return unit_scaled(m) if is_finite(m) else None
 
 
-def _cv(v: torch.Tensor) -> float:
-    """Coefficient of variation std / mean of non-negative ``v``; 0 when every value is 0 (no
-    spread at all)."""
-    mean = v.mean().item()
-    return v.std().item() / mean if mean > 0 else 0.0
+def _const(value: float, like: torch.Tensor) -> torch.Tensor:
+    """A float64 0-d tensor on like's device. (Dividing by it divides; CUDA multiplies by the
+    reciprocal of a Python float divisor, which may differ in the last bit.)"""
+    return torch.full((), value, dtype=torch.float64, device=like.device)
+
+
+def _cv(v: torch.Tensor) -> torch.Tensor:
+    """Coefficient of variation std / mean of non-negative ``v`` (float64, 0-d); 0 when every
+    value is 0 (no spread at all)."""
+    mean, std = v.mean().double(), v.std().double()
+    return torch.where(mean > 0, std / mean, 0.0)
 
 
 def scores_of(m: torch.Tensor | None) -> OutlierScores:
@@ -106,15 +135,21 @@ def scores_of(m: torch.Tensor | None) -> OutlierScores:
     return scores_of_variances(m.var(dim=1), m.var(dim=0))
 
 
-def scores_of_variances(row_var: torch.Tensor, col_var: torch.Tensor) -> OutlierScores:
-    """The scores from a tensor's row variances ([rows]) and column variances ([cols]): what
-    ``scores_of`` computes, for statistics gathered in parts (``patterns.calibration``)."""
+def score_tensor(row_var: torch.Tensor, col_var: torch.Tensor) -> torch.Tensor:
+    """``[cv_row, cv_col]`` (float64, on the device) from a tensor's row variances ([rows]) and
+    column variances ([cols]); NaN with fewer than 2 rows or columns."""
     rows, cols = row_var.numel(), col_var.numel()
     if rows < 2 or cols < 2:
-        return OutlierScores(math.nan, math.nan)
-    cv_row = _cv(row_var) / math.sqrt(2.0 / max(cols - 1, 1))
-    cv_col = _cv(col_var) / math.sqrt(2.0 / max(rows - 1, 1))
-    return OutlierScores(cv_row, cv_col)
+        return torch.full((2,), math.nan, dtype=torch.float64, device=row_var.device)
+    cv_row = _cv(row_var) / _const(math.sqrt(2.0 / max(cols - 1, 1)), row_var)
+    cv_col = _cv(col_var) / _const(math.sqrt(2.0 / max(rows - 1, 1)), col_var)
+    return torch.stack((cv_row, cv_col))
+
+
+def scores_of_variances(row_var: torch.Tensor, col_var: torch.Tensor) -> OutlierScores:
+    """``score_tensor`` read back: what ``scores_of`` computes, for statistics gathered in parts
+    (``patterns.observation``)."""
+    return OutlierScores(*score_tensor(row_var, col_var).tolist())
 
 
 def outlier_scores(t: torch.Tensor) -> OutlierScores:
@@ -122,17 +157,22 @@ def outlier_scores(t: torch.Tensor) -> OutlierScores:
     return scores_of(unit_rows(t))
 
 
+def label_of(scores: torch.Tensor, tau: float = DEFAULT_TAU) -> torch.Tensor:
+    """The index in ``PATTERNS`` (0-d int64, on the device) of the label of ``score_tensor``'s
+    ``[cv_row, cv_col]``: "row" when cv_row > tau * cv_col, "col" when cv_col > tau * cv_row, else
+    "none" (also for NaN scores). Products, not the reference's ratios with an added 1e-8: both
+    scores are scale-free already, and (0, 0) is simply "none"."""
+    cv_row, cv_col = scores[0], scores[1]
+    finite = torch.isfinite(scores).all()
+    row = finite & (cv_row > tau * cv_col)
+    col = finite & (cv_col > tau * cv_row)
+    return torch.where(row, PATTERNS.index("row"), torch.where(col, PATTERNS.index("col"), PATTERNS.index("none")))
+
+
 def classify_scores(scores: OutlierScores, tau: float = DEFAULT_TAU) -> str:
-    """"row" when cv_row > tau * cv_col, "col" when cv_col > tau * cv_row, else "none" (also for
-    NaN scores). Products, not the reference's ratios with an added 1e-8: both scores are
-    scale-free already, and (0, 0) is simply "none"."""
-    if not (math.isfinite(scores.cv_row) and math.isfinite(scores.cv_col)):
-        return "none"
-    if scores.cv_row > tau * scores.cv_col:
-        return "row"
-    if scores.cv_col > tau * scores.cv_row:
-        return "col"
-    return "none"
+    """``label_of`` for scores held on the host."""
+    t = torch.tensor([scores.cv_row, scores.cv_col], dtype=torch.float64)
+    return PATTERNS[int(label_of(t, tau))]
 
 
 def check_patterns(patterns) -> dict[str, str]:
@@ -162,14 +202,20 @@ def slice_energies(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sq.sum(dim=1), sq.sum(dim=0)
 
 
-def shares_of(row_e: torch.Tensor, col_e: torch.Tensor, k: int) -> tuple[float, float]:
-    """``topk_energy_share`` from the slice energies of a ``unit_rows`` tensor."""
+def share_tensor(row_e: torch.Tensor, col_e: torch.Tensor, k: int) -> torch.Tensor:
+    """``[row share, column share]`` of ``topk_energy_share`` (float32, on the device) from the
+    slice energies of a ``unit_rows`` tensor; NaN when empty or all zero."""
+    if row_e.numel() == 0 or col_e.numel() == 0:
+        return torch.full((2,), math.nan, dtype=torch.float32, device=row_e.device)
     total = row_e.sum()
-    if row_e.numel() == 0 or col_e.numel() == 0 or total.item() == 0:
-        return (math.nan, math.nan)
     share_r = row_e.topk(min(k, row_e.numel())).values.sum() / total
     share_c = col_e.topk(min(k, col_e.numel())).values.sum() / total
-    return (share_r.item(), share_c.item())
+    return torch.where(total != 0, torch.stack((share_r, share_c)), math.nan)
+
+
+def shares_of(row_e: torch.Tensor, col_e: torch.Tensor, k: int) -> tuple[float, float]:
+    """``share_tensor`` read back."""
+    return tuple(share_tensor(row_e, col_e, k).tolist())
 
 
 def topk_energy_share(t: torch.Tensor, k: int) -> tuple[float, float]:

@@ -40,12 +40,20 @@ its own; a profiled dim is read whole). Each sampled element stands for as many 
 group were sampled from, and an NSR is the weighted error over the weighted energy: exact when
 nothing is sampled. The statistics are ratios, computed on ``detect.unit_scaled(t)`` (a power-of-two scaling, exact):
 they do not depend on the tensor's scale, and no square under- or overflows.
+
+Device and host. ``quant_tensors`` computes them on the tensor's device and leaves them there (a
+``QuantTensors``: 0-d float64 tensors, profiles as 1-d tensors, and whether the tensor had energy
+at all), so that calibration reads nothing back per step; ``quant_stats`` is the same read back
+to Python numbers and lists, once. The device arithmetic is the one the host did on ``.item()``
+values: float64 for the NSRs, and for a profile the float32 division by the (float32) signal that
+``tensor / float`` runs (on CUDA, a multiply by its float32 reciprocal: ``_div_by_scalar``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -109,14 +117,22 @@ def _sample(order: torch.Tensor, keep: int, most: int) -> tuple[torch.Tensor, to
     return torch.cat((top, picked)), weights
 
 
+def _div_by_scalar(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``t / float(s)`` for a float32 tensor ``t`` and a float32 0-d tensor ``s``, without reading
+    ``s`` back: the CPU divides; CUDA divides a tensor by a Python float as a multiply by the
+    float32 reciprocal (aten's div_true_kernel_cuda), which a 0-d device divisor would not do."""
+    return t * torch.reciprocal(s) if t.device.type == "cuda" else t / s
+
+
 def _dim_stats(v: torch.Tensor, energy: torch.Tensor, order: torch.Tensor, index_energy: torch.Tensor,
-               ks: list[int], d: int, profile: bool, max_slices: int, max_length: int) -> dict:
-    """The NSRs of ``v`` [outer, L] quantized along L (its dim ``d`` in the caller's tensor).
-    ``energy``: exact squared norms of the outer slices, ``order``: their ranking (OE's);
-    ``index_energy``: the squared norms along L. The sample: slices (OE's candidates, then every
-    n-th) times aligned groups of 32 along L (the most energetic quarter, then every n-th; all of
-    them for a ``profile``), each cell weighted by how many it stands for; the NSRs are the
-    weighted error over the weighted energy (exact when nothing is sampled)."""
+               ks: list[int], d: int, profile: bool, max_slices: int, max_length: int) -> tuple[dict, dict]:
+    """The NSRs (0-d float64 tensors) and, for a ``profile``, the profiles (1-d float32) of ``v``
+    [outer, L] quantized along L (its dim ``d`` in the caller's tensor). ``energy``: exact squared
+    norms of the outer slices, ``order``: their ranking (OE's); ``index_energy``: the squared
+    norms along L. The sample: slices (OE's candidates, then every n-th) times aligned groups of
+    32 along L (the most energetic quarter, then every n-th; all of them for a ``profile``), each
+    cell weighted by how many it stands for; the NSRs are the weighted error over the weighted
+    energy (exact when nothing is sampled)."""
     outer, length = v.shape
     k_max = min(max(ks), outer)
     rows, w_rows = _sample(order, k_max, max_slices)
@@ -131,56 +147,98 @@ def _dim_stats(v: torch.Tensor, energy: torch.Tensor, order: torch.Tensor, index
     else:
         w_groups = torch.ones(n_groups, device=v.device)
     weight = (w_rows[:, None] * w_groups[None, :]).repeat_interleave(BLOCK, dim=1)  # per element
-    signal = (cells.square() * weight).sum().item()
-    out = {}
+    signal = (cells.square() * weight).sum()
+    stats, profiles = {}, {}
     for mode in ("mxfp4", "iht"):
         err = _quant_error(cells, iht=mode == "iht") * weight
-        out[f"nsr_{mode}_d{d}"] = err.sum().item() / signal
+        total_err = err.sum().double()
+        stats[f"nsr_{mode}_d{d}"] = total_err / signal.double()
         if mode == "iht":
             removed = torch.cumsum(err[:k_max].sum(1), 0)  # OE: the top slices' error, exact in BF16
             for k in ks:
-                out[f"nsr_oe_d{d}@{k}"] = max(err.sum().item() - removed[min(k, k_max) - 1].item(), 0.0) / signal
+                left = total_err - removed[min(k, k_max) - 1].double()
+                stats[f"nsr_oe_d{d}@{k}"] = torch.where(left < 0, 0.0, left) / signal.double()  # max(left, 0)
             if profile:  # per block of 32: the Hadamard spreads the error evenly within a block
                 per_block = err.reshape(err.shape[0], -1, BLOCK).sum(2)
-                out[f"prof_iht_d{d}"] = (per_block.sum(0) / signal).tolist()
+                profiles[f"prof_iht_d{d}"] = _div_by_scalar(per_block.sum(0), signal)
                 removed = torch.cumsum(per_block[:k_max], 0)
                 for k in ks:
-                    out[f"prof_oe_d{d}@{k}"] = ((per_block.sum(0) - removed[min(k, k_max) - 1]).clamp(min=0)
-                                                / signal).tolist()
+                    profiles[f"prof_oe_d{d}@{k}"] = _div_by_scalar(
+                        (per_block.sum(0) - removed[min(k, k_max) - 1]).clamp(min=0), signal)
         elif profile:
             # naive MXFP4's error lands where the operand's outliers are: per index of L, beside
             # the energy there (the policy weighs it with the other operand's energy profile)
-            out[f"prof_mxfp4_d{d}"] = (err.sum(0)[:length] / signal).tolist()
-            out[f"prof_energy_d{d}"] = (index_energy / index_energy.sum()).tolist()
-    return out
+            profiles[f"prof_mxfp4_d{d}"] = _div_by_scalar(err.sum(0)[:length], signal)
+            profiles[f"prof_energy_d{d}"] = index_energy / index_energy.sum()
+    return stats, profiles
+
+
+@dataclass
+class QuantTensors:
+    """``quant_stats`` on the device: ``stats``, each of ``stat_names`` as a 0-d float64 tensor
+    (NaN where undefined); ``profiles``, name -> 1-d tensor (in ``quant_stats``' order; their
+    values are meaningless where ``defined`` is False); ``defined``, a 0-d bool tensor: the tensor
+    has energy (an all-zero or empty one has no NSRs and no profiles)."""
+
+    stats: dict
+    profiles: dict
+    defined: torch.Tensor
+
+    def read(self) -> dict:
+        """What ``quant_stats`` returns: Python floats, the profiles as lists when defined. One
+        read of the device."""
+        sizes = [p.numel() for p in self.profiles.values()]
+        flat = torch.cat([self.defined.double().reshape(1), torch.stack(list(self.stats.values())),
+                          *(p.double() for p in self.profiles.values())]).tolist()
+        out = dict(zip(self.stats, flat[1:1 + len(self.stats)]))
+        if flat[0]:
+            at = 1 + len(self.stats)
+            for name, n in zip(self.profiles, sizes):
+                out[name], at = flat[at:at + n], at + n
+        return out
+
+
+def quant_tensors(m: torch.Tensor, ks: Iterable[int], *, energies: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  profile_dims: Iterable[int] = PROFILE_DIMS, max_slices: int = MAX_SLICES,
+                  max_length: int = MAX_LENGTH) -> QuantTensors:
+    """The statistics of the module doc for finite 2-D ``m``, already ``unit_scaled``, on m's
+    device (nothing is read back); NaN where undefined (an all-zero or empty tensor has no NSR).
+    ``energies``: its rows' and columns' squared norms (``detect.slice_energies``), if the caller
+    has them. ``profile_dims``: the dims whose profiles are kept (see the module doc)."""
+    profile_dims = check_profile_dims(profile_dims)
+    ks = sorted(set(ks))
+    rows, cols = m.shape
+    nan = torch.full((), math.nan, dtype=torch.float64, device=m.device)
+    stats = dict.fromkeys(stat_names(ks), nan)
+    stats["rows"], stats["cols"] = (torch.full((), float(n), dtype=torch.float64, device=m.device)
+                                    for n in (rows, cols))
+    if m.numel() == 0:
+        return QuantTensors(stats, {}, torch.zeros((), dtype=torch.bool, device=m.device))
+    row_e, col_e = energies if energies is not None else slice_energies(m)
+    energies = {1: row_e, 0: col_e}  # of the outer slices: rows for d = 1, columns for d = 0
+    total = energies[1].sum()
+    defined = total != 0
+    profiles = {}
+    for d in QUANT_DIMS:
+        e = energies[d]
+        # OE's ranking: the largest norms first, ties to the lower index (ops/outliers.py)
+        order = torch.sort(e, descending=True, stable=True).indices
+        share = _div_by_scalar(torch.cumsum(e[order], 0), total)
+        for k in ks:
+            s = share[min(k, e.numel()) - 1].double()
+            stats[f"share_{'rows' if d == 1 else 'cols'}@{k}"] = torch.where(s > 1.0, 1.0, s)  # min(s, 1)
+        dim_stats, dim_profiles = _dim_stats(m if d == 1 else m.t(), e, order, energies[1 - d], ks, d,
+                                             d in profile_dims, max_slices, max_length)
+        stats.update(dim_stats)
+        profiles.update(dim_profiles)
+    stats = {n: v if n in ("rows", "cols") else torch.where(defined, v, nan) for n, v in stats.items()}
+    return QuantTensors(stats, profiles, defined)
 
 
 def quant_stats(m: torch.Tensor, ks: Iterable[int], *, energies: tuple[torch.Tensor, torch.Tensor] | None = None,
                 profile_dims: Iterable[int] = PROFILE_DIMS, max_slices: int = MAX_SLICES,
                 max_length: int = MAX_LENGTH) -> dict:
-    """The statistics of the module doc for finite 2-D ``m``, already ``unit_scaled``; NaN
-    where undefined (an all-zero or empty tensor has no NSR). ``energies``: its rows' and
-    columns' squared norms (``detect.slice_energies``), if the caller has them. ``profile_dims``:
-    the dims whose profiles are kept (lists; see the module doc)."""
-    profile_dims = check_profile_dims(profile_dims)
-    ks = sorted(set(ks))
-    rows, cols = m.shape
-    out = dict.fromkeys(stat_names(ks), math.nan)
-    out["rows"], out["cols"] = float(rows), float(cols)
-    if m.numel() == 0:
-        return out
-    row_e, col_e = energies if energies is not None else slice_energies(m)
-    energies = {1: row_e, 0: col_e}  # of the outer slices: rows for d = 1, columns for d = 0
-    total = energies[1].sum().item()
-    if total == 0:
-        return out
-    for d in QUANT_DIMS:
-        e = energies[d]
-        # OE's ranking: the largest norms first, ties to the lower index (ops/outliers.py)
-        order = torch.sort(e, descending=True, stable=True).indices
-        share = torch.cumsum(e[order], 0) / total
-        for k in ks:
-            out[f"share_{'rows' if d == 1 else 'cols'}@{k}"] = min(share[min(k, e.numel()) - 1].item(), 1.0)
-        out.update(_dim_stats(m if d == 1 else m.t(), e, order, energies[1 - d], ks, d, d in profile_dims,
-                              max_slices, max_length))
-    return out
+    """``quant_tensors`` read back: name -> float, and the profiles as lists (left out where
+    undefined)."""
+    return quant_tensors(m, ks, energies=energies, profile_dims=profile_dims, max_slices=max_slices,
+                         max_length=max_length).read()

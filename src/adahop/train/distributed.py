@@ -18,10 +18,13 @@ does the few things data parallelism adds to the trainer:
   quantizes exactly the values such a run quantizes, with the same bits (tested).
 * the calibration consensus (``start_calibration_step`` / ``merge_calibration``): the layers do
   not freeze themselves (``freeze_when_calibrated = False``); each forward's observations are
-  recorded apart, and after the backward every rank's (votes, running sums, finite counts) are
+  recorded apart (on the device, ``patterns.calibration``), and after the backward every rank's
+  (votes, running sums, finite counts) are read back (one read of the device for all layers),
   gathered (one all-gather) and added to the merged state in rank order, so every rank holds
   the same numbers; a layer whose merged count reaches ``calibration_steps`` freezes on every
   rank from them. A backward pass of each rank counts, as a micro-batch does under accumulation.
+  (So a data-parallel calibration step waits for the device once, at its end, where a single
+  process waits only at the freeze.)
 * ``check_modes``: at the freeze and after a load, every rank's modes, patterns and
   calibration state are compared; a difference stops every rank with ``RankMismatchError``.
 * ``step_report`` / ``check_finite``: each rank's loss and whether its own gradient (before the
@@ -47,7 +50,7 @@ import torch
 from torch import nn
 
 from adahop.convert import adahop_layers
-from adahop.patterns.calibration import TENSOR_ROLES, LayerCalibration
+from adahop.patterns.calibration import TENSOR_ROLES, LayerCalibration, read_calibrations
 
 PARALLEL_CHOICES = ("none", "ddp", "fsdp2")
 LAUNCH = "torchrun --nproc-per-node N -m adahop.cli train --parallel {mode} ..."
@@ -420,6 +423,7 @@ class Parallel:
             return []
         import torch.distributed as dist
 
+        read_calibrations(self._layers[fqn].calibration for fqn in self._merged)  # the step's one read
         mine = {fqn: self._layers[fqn].calibration.to_dict() for fqn in self._merged}
         gathered = [None] * self.world
         dist.all_gather_object(gathered, mine)
