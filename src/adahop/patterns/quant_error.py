@@ -146,7 +146,9 @@ def _dim_stats(v: torch.Tensor, energy: torch.Tensor, order: torch.Tensor, index
         cells = cells.reshape(rows.numel(), n_groups, BLOCK)[:, groups].reshape(rows.numel(), -1)
     else:
         w_groups = torch.ones(n_groups, device=v.device)
-    weight = (w_rows[:, None] * w_groups[None, :]).repeat_interleave(BLOCK, dim=1)  # per element
+    # per element; an expand, which reads nothing back (repeat_interleave's int form went through a
+    # tensor of repeats in some torch versions)
+    weight = (w_rows[:, None] * w_groups[None, :])[:, :, None].expand(-1, -1, BLOCK).reshape(rows.numel(), -1)
     signal = (cells.square() * weight).sum()
     stats, profiles = {}, {}
     for mode in ("mxfp4", "iht"):
