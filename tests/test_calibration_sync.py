@@ -1,6 +1,7 @@
 """Calibration reads nothing back to the host until it ends (patterns.calibration): a calibrating
 step queues its observations on the device and accumulates them there; only the step whose
-count reaches ``calibration_steps`` (the freeze) reads them.
+count reaches ``calibration_steps`` (the freeze) reads them. What it accumulates there is what
+the host accumulates from the same observations read back, to the bit.
 
 On the CPU there is no queue to stall, so the test makes every Python-level way of reading a
 tensor's data raise (``no_host_reads``) and runs the calibrating steps of a tiny converted model
@@ -11,11 +12,13 @@ of the C++ side too (``test_calibration_steps_do_not_synchronize_the_gpu``).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
 
 import adahop
+from adahop.patterns.calibration import LayerCalibration, observe_on_device, tensor_part
 
 from tiny_lm import TinyLM
 
@@ -171,3 +174,59 @@ def test_calibration_steps_do_not_synchronize_the_gpu(recipe, gemms, parts):
             torch.cuda.set_sync_debug_mode("default")
 
     calibrate("cuda", recipe, gemms, parts, steps=3, guard=no_sync)
+
+
+def _nan_safe(v):
+    if isinstance(v, float) and math.isnan(v):
+        return "nan"
+    if isinstance(v, dict):
+        return {k: _nan_safe(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_nan_safe(x) for x in v]
+    return v
+
+
+@pytest.mark.parametrize("quant", [True, False])
+def test_device_sums_are_the_host_sums_of_the_same_observations(quant):
+    """Observations (NaN, zero and planted tensors, some split in parts) added on the device, and
+    the same read back and added on the host: the same state and summary, key order included.
+    Reads in between (a checkpoint) and a state loaded from plain data (a profile seen but never
+    finite: None) continue alike."""
+    g = torch.Generator().manual_seed(0)
+
+    def tensor(i):
+        t = torch.randn(96, 64, generator=g)
+        if i % 5 == 1:
+            t[:, 3] *= 30
+        if i % 5 == 2:
+            t[7] *= 30
+        if i == 6:
+            t[70, 5] = math.inf  # in the second part: the first part's profiles come, not finite
+        return {3: torch.full((96, 64), math.nan), 4: torch.zeros(96, 64)}.get(i, t)
+
+    def observations():
+        for i in range(8):
+            t = tensor(i)
+            for role in ("x", "w", "g"):
+                dims = (1, 0) if role == "w" else (1,)
+                parts = [t] if role == "w" or i % 2 else list(t.chunk(2))
+                yield i, role, observe_on_device([tensor_part(p, k=8, quant=quant, profile_dims=dims) for p in parts],
+                                                 tau=2.0, k=8)
+
+    start = {r: {"votes": {"row": 0, "col": 0, "none": 1}, "sums": {"cv_row": 1.0, "cv_col": 1.0,
+                 "row_energy_topk": 0.5, "col_energy_topk": 0.5, "prof_iht_d1": None},
+                 "finite_counts": {"cv_row": 1, "cv_col": 1, "row_energy_topk": 1, "col_energy_topk": 1,
+                                   "prof_iht_d1": 0}} for r in ("x", "w", "g")}
+    for first in (None, start):
+        on_device = LayerCalibration() if first is None else LayerCalibration.from_dict(first)
+        on_host = LayerCalibration() if first is None else LayerCalibration.from_dict(first)
+        for i, role, obs in observations():
+            on_host.add(role, obs.read())
+            on_device.add(role, obs)
+            if i == 5 and role == "g":  # a read in between
+                assert on_device.to_dict() == on_host.to_dict()
+        assert on_device.steps == on_host.steps == 8 + (first is not None)
+        d, h = on_device.to_dict(), on_host.to_dict()
+        assert d == h
+        assert [list(t["sums"]) for t in d.values()] == [list(t["sums"]) for t in h.values()]  # key order
+        assert _nan_safe(on_device.summary()) == _nan_safe(on_host.summary())
