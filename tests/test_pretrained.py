@@ -493,3 +493,39 @@ def test_smollm2_greedy_completion(smollm2):
     completion = tok.decode(ids[-2:])
     print(f"SmolLM2 completion {completion!r}")
     assert completion.startswith(" Paris"), completion
+
+
+def test_pretrained_forward_benchmark(corpus, tmp_path, capsys):
+    """benchmarks/pretrained_forward.py: each recipe from the same pretrained weights, the adaptive
+    one calibrated (its modes frozen) without moving a weight; a row per recipe with the
+    environment; bf16 reproduces the unconverted model's held-out loss and mxfp4 moves it."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from adahop.train.data import load_corpus
+    from adahop.train.run import heldout_eval
+
+    path = Path(__file__).parent.parent / "benchmarks" / "pretrained_forward.py"
+    spec = importlib.util.spec_from_file_location("pretrained_forward", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+
+    vocab = load_corpus(corpus).vocab_size
+    cfg = dict(HF_CONFIG, vocab_size=vocab)
+    folder = write_hf(tmp_path / "hf", cfg, hf_weights(cfg))
+    out = tmp_path / "rows.jsonl"
+    assert bench.main(["--init", str(folder), "--corpus", str(corpus), "--recipes", "bf16", "mxfp4", "adahop_lv2",
+                       "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1", "--calibration-steps", "2",
+                       "--backend", "reference", "--device", "cpu", "--out", str(out)]) == 0
+    rows = {r["recipe"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert list(rows) == ["bf16", "mxfp4", "adahop_lv2"] and all("env" in r for r in rows.values())
+    plain = heldout_eval(P.load_hf_llama(folder, max_seq_len=16), load_corpus(corpus), seq_len=16, batch_size=2,
+                         max_batches=1)
+    assert rows["bf16"]["heldout_loss"] == plain["loss"] and rows["bf16"]["modes"] == {}
+    assert rows["mxfp4"]["heldout_loss"] != plain["loss"]
+    assert all(m is not None for m in rows["adahop_lv2"]["modes"].values()) and len(rows["adahop_lv2"]["modes"]) == 14
+    assert "| adahop_lv2 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--corpus", str(corpus), "--recipes", "nope"])

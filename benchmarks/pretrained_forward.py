@@ -1,0 +1,138 @@
+"""What each recipe's quantized GEMMs cost a pretrained model before any training: its held-out
+loss with every converted linear running the recipe's forward, against the same model in BF16.
+
+A model trained from scratch under a recipe learns around its quantization; a pretrained model
+meets it all at once, with the outliers it already has. This is the first thing continued
+pretraining under a recipe pays, and the part of it that training in the recipe has to win
+back. For each recipe the model is loaded again (``--init``: ``smollm2``, a ``.gguf`` file or a
+Hugging Face Llama folder), converted, and, for an adaptive recipe, calibrated: its
+``--calibration-steps`` forward + backward passes on training windows of the corpus (gradients
+dropped, no optimizer step), after which the modes freeze as they would in training. Then the
+held-out loss over the first ``--eval-batches`` batches of each source's validation shard
+(token-weighted, as the trainer reports it; BF16 autocast on a GPU).
+
+    python benchmarks/pretrained_forward.py --init smollm2 --corpus runs/corpus_smollm2 \\
+        --recipes bf16 mxfp4 mxfp4_iht adahop_lv2 adahop_measured --out runs/pretrained_forward.jsonl
+
+The corpus must be built with the model's tokenizer (``adahop data --tokenizer smollm2``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from common import environment, print_environment  # noqa: E402
+
+import adahop  # noqa: E402
+from adahop.config import RECIPES  # noqa: E402
+from adahop.train.data import TokenBatches, load_corpus  # noqa: E402
+from adahop.train.pretrained import load_init  # noqa: E402
+from adahop.train.run import heldout_eval  # noqa: E402
+
+
+def recipe_config(recipe: str, *, backend: str, calibration_steps: int, oe_k: int, seed: int) -> adahop.AdaHOPConfig:
+    cfg = adahop.AdaHOPConfig.from_recipe_name(recipe, backend=backend, calibration_steps=calibration_steps, seed=seed)
+    return cfg.with_gemm_settings(oe_k=oe_k)
+
+
+def calibrate(model, batches, steps: int, device: torch.device) -> None:
+    """``steps`` forward + backward passes in training mode (the adaptive layers observe and then
+    freeze); the gradients are dropped and no weight moves."""
+    model.train()
+    for _ in range(steps):
+        inputs, targets = (t.to(device) for t in next(batches))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(inputs)
+        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).backward()
+        model.zero_grad(set_to_none=True)
+    if not adahop.is_calibrated(model):
+        raise RuntimeError("the adaptive layers did not freeze after the calibration steps")
+
+
+def measure(args, recipe: str, corpus, device: torch.device) -> dict:
+    model = load_init(args.init, max_seq_len=args.seq_len).to(device)
+    start = time.perf_counter()
+    if recipe != "bf16":
+        cfg = recipe_config(recipe, backend=args.backend, calibration_steps=args.calibration_steps, oe_k=args.oe_k,
+                            seed=args.seed)
+        adahop.convert_to_adahop_training(model, config=cfg)
+        if cfg.adaptive:
+            batches = iter(TokenBatches(corpus, "train", batch_size=args.batch_size, seq_len=args.seq_len,
+                                        seed=args.seed))
+            calibrate(model, batches, args.calibration_steps, device)
+    result = heldout_eval(model, corpus, seq_len=args.seq_len, batch_size=args.batch_size,
+                          max_batches=args.eval_batches)
+    modes = {name: layer.modes for name, layer in adahop.adahop_layers(model).items()}
+    return {"recipe": recipe, "heldout_loss": result["loss"], "tokens": result["tokens"],
+            "sources": {s: v["loss"] for s, v in result["sources"].items()},
+            "seconds": time.perf_counter() - start, "modes": modes}
+
+
+def table(rows: list[dict]) -> str:
+    base = next((r["heldout_loss"] for r in rows if r["recipe"] == "bf16"), math.nan)
+    sources = list(rows[0]["sources"])
+    head = "| recipe | held-out loss | gap to bf16 | " + " | ".join(sources) + " |"
+    lines = [head, "|" + "---|" * (3 + len(sources))]
+    for r in rows:
+        per = " | ".join(f"{r['sources'][s]:.4f}" for s in sources)
+        lines.append(f"| {r['recipe']} | {r['heldout_loss']:.4f} | {r['heldout_loss'] - base:+.4f} | {per} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--init", default="smollm2", help="smollm2, a .gguf file or a Hugging Face Llama folder")
+    p.add_argument("--corpus", required=True, help="a corpus built with the model's tokenizer")
+    p.add_argument("--recipes", nargs="+", default=["bf16", "mxfp4", "mxfp4_iht", "adahop_lv2", "adahop_measured"],
+                   help=f"recipes to compare (bf16 first as the baseline); known: {', '.join(RECIPES)}")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--eval-batches", type=int, default=2, help="batches of each source's validation shard")
+    p.add_argument("--calibration-steps", type=int, default=3, help="adaptive recipes: forward + backward passes")
+    p.add_argument("--oe-k", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0, help="calibration windows and SR draws")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    p.add_argument("--out", default=None, help="JSON lines file: one row per recipe, with the environment")
+    args = p.parse_args(argv)
+    unknown = [r for r in args.recipes if r not in RECIPES]
+    if unknown:
+        p.error(f"unknown recipes {unknown}; known: {', '.join(RECIPES)}")
+    for name in ("seq_len", "batch_size", "eval_batches", "calibration_steps", "oe_k"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    corpus = load_corpus(args.corpus)
+    env = environment("pretrained_forward.py", sys.argv[1:] if argv is None else argv)
+    print_environment(env)
+    out = Path(args.out) if args.out else None
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for recipe in args.recipes:
+        row = measure(args, recipe, corpus, device)
+        rows.append(row)
+        print(f"[{recipe}] held-out {row['heldout_loss']:.4f} ({row['seconds']:.0f} s)", flush=True)
+        if out:
+            with out.open("a") as f:
+                f.write(json.dumps({"benchmark": "pretrained_forward", **row, "settings": {
+                    k: v for k, v in vars(args).items() if k not in ("out", "threads")}, "env": env}) + "\n")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
