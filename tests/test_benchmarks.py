@@ -54,7 +54,8 @@ def test_every_script_is_listed():
     # a new script gets a smoke test here: in GPU_ONLY (refusal) or in a CPU run below
     assert set(SCRIPTS) == {"ablation", "backend_agreement", "bench_gemm", "bench_kernels", "bench_linear",
                             "bench_train_speed", "check_compile", "check_hopper", "gpu_reference_check",
-                            "offline_compile", "quant_error_study", "sass_count", "train_compare"}
+                            "offline_compile", "pretrained_forward", "quant_error_study", "sass_count",
+                            "train_compare"}
     assert not (BENCH / "bench_hopper.py").exists()
 
 
