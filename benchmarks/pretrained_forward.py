@@ -9,7 +9,8 @@ Hugging Face Llama folder), converted, and, for an adaptive recipe, calibrated: 
 ``--calibration-steps`` forward + backward passes on training windows of the corpus (gradients
 dropped, no optimizer step), after which the modes freeze as they would in training. Then the
 held-out loss over the first ``--eval-batches`` batches of each source's validation shard
-(token-weighted, as the trainer reports it; BF16 autocast on a GPU).
+(token-weighted, as the trainer reports it; BF16 autocast on a GPU). ``--layers`` converts only
+the linears it names (the rest stay BF16), to find which layers' forward the loss pays for.
 
     python benchmarks/pretrained_forward.py --init smollm2 --corpus runs/corpus_smollm2 \\
         --recipes bf16 mxfp4 mxfp4_iht adahop_lv2 adahop_measured --out runs/pretrained_forward.jsonl
@@ -20,6 +21,7 @@ The corpus must be built with the model's tokenizer (``adahop data --tokenizer s
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import math
 import sys
@@ -44,6 +46,14 @@ def recipe_config(recipe: str, *, backend: str, calibration_steps: int, oe_k: in
     return cfg.with_gemm_settings(oe_k=oe_k)
 
 
+def layer_filter(model, patterns: list[str]):
+    """The default conversion filter (which keeps e.g. an LM head tied to the embedding in BF16),
+    narrowed to the linears whose name matches one of ``patterns``: which layers' forward costs
+    the loss."""
+    default = adahop.convert.default_module_filter(model)
+    return lambda mod, fqn: default(mod, fqn) and any(fnmatch.fnmatchcase(fqn, p) for p in patterns)
+
+
 def calibrate(model, batches, steps: int, device: torch.device) -> None:
     """``steps`` forward + backward passes in training mode (the adaptive layers observe and then
     freeze); the gradients are dropped and no weight moves."""
@@ -64,7 +74,11 @@ def measure(args, recipe: str, corpus, device: torch.device) -> dict:
     if recipe != "bf16":
         cfg = recipe_config(recipe, backend=args.backend, calibration_steps=args.calibration_steps, oe_k=args.oe_k,
                             seed=args.seed)
-        adahop.convert_to_adahop_training(model, config=cfg)
+        adahop.convert_to_adahop_training(model, config=cfg, module_filter_fn=layer_filter(model, args.layers))
+        if not adahop.adahop_layers(model):
+            names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][:3]
+            raise SystemExit(f"--layers {' '.join(args.layers)} matches none of the model's linears "
+                             f"(named like {', '.join(names)})")
         if cfg.adaptive:
             batches = iter(TokenBatches(corpus, "train", batch_size=args.batch_size, seq_len=args.seq_len,
                                         seed=args.seed))
@@ -95,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpus", required=True, help="a corpus built with the model's tokenizer")
     p.add_argument("--recipes", nargs="+", default=["bf16", "mxfp4", "mxfp4_iht", "adahop_lv2", "adahop_measured"],
                    help=f"recipes to compare (bf16 first as the baseline); known: {', '.join(RECIPES)}")
+    p.add_argument("--layers", nargs="+", default=["*"],
+                   help="convert only the linears whose name matches one of these patterns (fnmatch, e.g. "
+                        "'*.feed_forward.w2'); the others stay BF16 (default: every linear the recipe converts)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=4, help="windows per batch (default: %(default)s)")
     p.add_argument("--eval-batches", type=int, default=2, help="batches of each source's validation shard")

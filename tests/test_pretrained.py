@@ -527,5 +527,15 @@ def test_pretrained_forward_benchmark(corpus, tmp_path, capsys):
     assert rows["mxfp4"]["heldout_loss"] != plain["loss"]
     assert all(m is not None for m in rows["adahop_lv2"]["modes"].values()) and len(rows["adahop_lv2"]["modes"]) == 14
     assert "| adahop_lv2 |" in capsys.readouterr().out
+    assert bench.main(["--init", str(folder), "--corpus", str(corpus), "--recipes", "adahop_lv2",
+                       "--layers", "*.w2", "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1",
+                       "--calibration-steps", "2",
+                       "--backend", "reference", "--device", "cpu", "--out", str(out)]) == 0
+    down = json.loads(out.read_text().splitlines()[-1])
+    assert sorted(down["modes"]) == ["layers.0.feed_forward.w2", "layers.1.feed_forward.w2"]
+    assert down["settings"]["layers"] == ["*.w2"]
     with pytest.raises(SystemExit):
         bench.main(["--corpus", str(corpus), "--recipes", "nope"])
+    with pytest.raises(SystemExit, match="matches none of the model's linears"):
+        bench.main(["--init", str(folder), "--corpus", str(corpus), "--recipes", "mxfp4", "--layers", "*.down_proj",
+                    "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1", "--device", "cpu"])
