@@ -37,6 +37,7 @@ from common import environment, print_environment  # noqa: E402
 import adahop  # noqa: E402
 from adahop.config import RECIPES  # noqa: E402
 from adahop.train.data import TokenBatches, load_corpus  # noqa: E402
+from adahop.train.precision import mxfp4_flop_share  # noqa: E402
 from adahop.train.pretrained import load_init  # noqa: E402
 from adahop.train.run import heldout_eval  # noqa: E402
 
@@ -86,7 +87,8 @@ def measure(args, recipe: str, corpus, device: torch.device) -> dict:
     result = heldout_eval(model, corpus, seq_len=args.seq_len, batch_size=args.batch_size,
                           max_batches=args.eval_batches)
     modes = {name: layer.modes for name, layer in adahop.adahop_layers(model).items()}
-    return {"recipe": recipe, "heldout_loss": result["loss"], "tokens": result["tokens"],
+    share = mxfp4_flop_share(model, args.seq_len, gemms=("fprop",))  # the share of the forward's FLOPs
+    return {"recipe": recipe, "heldout_loss": result["loss"], "tokens": result["tokens"], "fprop_mxfp4_share": share,
             "sources": {s: v["loss"] for s, v in result["sources"].items()},
             "seconds": time.perf_counter() - start, "modes": modes}
 
@@ -94,11 +96,12 @@ def measure(args, recipe: str, corpus, device: torch.device) -> dict:
 def table(rows: list[dict]) -> str:
     base = next((r["heldout_loss"] for r in rows if r["recipe"] == "bf16"), math.nan)
     sources = list(rows[0]["sources"])
-    head = "| recipe | held-out loss | gap to bf16 | " + " | ".join(sources) + " |"
-    lines = [head, "|" + "---|" * (3 + len(sources))]
+    head = "| recipe | forward FLOPs in MXFP4 | held-out loss | gap to bf16 | " + " | ".join(sources) + " |"
+    lines = [head, "|" + "---|" * (4 + len(sources))]
     for r in rows:
         per = " | ".join(f"{r['sources'][s]:.4f}" for s in sources)
-        lines.append(f"| {r['recipe']} | {r['heldout_loss']:.4f} | {r['heldout_loss'] - base:+.4f} | {per} |")
+        lines.append(f"| {r['recipe']} | {r['fprop_mxfp4_share']:.1%} | {r['heldout_loss']:.4f} | "
+                     f"{r['heldout_loss'] - base:+.4f} | {per} |")
     return "\n".join(lines)
 
 

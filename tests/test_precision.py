@@ -99,5 +99,7 @@ def test_mxfp4_flop_share_counts_every_linear_and_the_oe_slices():
     expected = ((1 - 8 / 16) + 0 + (1 - 8 / 64) + 3) / 6
     assert mxfp4_flop_share(model, tokens=16) == pytest.approx(expected)
     assert mxfp4_flop_share(model, tokens=16, calibrating={"0"}) == 1.0  # as if "0" still ran its calibration
+    assert mxfp4_flop_share(model, tokens=16, gemms=("fprop",)) == pytest.approx((1 - 8 / 16 + 1) / 2)
+    assert mxfp4_flop_share(model, tokens=16, gemms=("dgrad",)) == pytest.approx(1 / 2)
     plain = torch.nn.Sequential(torch.nn.Linear(64, 32), model)  # an unconverted linear counts as BF16
     assert mxfp4_flop_share(plain, tokens=16) == pytest.approx(expected * 2 / 3)

@@ -525,6 +525,7 @@ def test_pretrained_forward_benchmark(corpus, tmp_path, capsys):
                          max_batches=1)
     assert rows["bf16"]["heldout_loss"] == plain["loss"] and rows["bf16"]["modes"] == {}
     assert rows["mxfp4"]["heldout_loss"] != plain["loss"]
+    assert rows["bf16"]["fprop_mxfp4_share"] == 0 and 0.5 < rows["mxfp4"]["fprop_mxfp4_share"] < 1  # the LM head
     assert all(m is not None for m in rows["adahop_lv2"]["modes"].values()) and len(rows["adahop_lv2"]["modes"]) == 14
     assert "| adahop_lv2 |" in capsys.readouterr().out
     assert bench.main(["--init", str(folder), "--corpus", str(corpus), "--recipes", "adahop_lv2",

@@ -116,9 +116,10 @@ _OE_OUTER = {
 }
 
 
-def mxfp4_flop_share(model: nn.Module, tokens: int, calibrating: set[str] | None = None) -> float:
+def mxfp4_flop_share(model: nn.Module, tokens: int, calibrating: set[str] | None = None,
+                     gemms: tuple[str, ...] = GEMMS) -> float:
     """The share of one training step's linear-layer GEMM FLOPs that run in MXFP4, with the
-    modes the layers have now.
+    modes the layers have now; ``gemms``: of those GEMMs alone (("fprop",): an evaluation's).
 
     Every ``nn.Linear`` counts, converted or not (an LM head or a BF16 block is high precision),
     each with its three GEMMs of ``2 * tokens * N * K`` FLOPs. A GEMM in an MXFP4 mode counts
@@ -136,13 +137,13 @@ def mxfp4_flop_share(model: nn.Module, tokens: int, calibrating: set[str] | None
             continue
         n, k = mod.out_features, mod.in_features
         flops = 2.0 * tokens * n * k
-        total += 3 * flops
+        total += len(gemms) * flops
         if not isinstance(mod, AdaHOPLinear):
             continue
         if fqn in calibrating:
-            low += 3 * flops if mod.config.calibration_gemms == "iht" else 0.0
+            low += len(gemms) * flops if mod.config.calibration_gemms == "iht" else 0.0
             continue
-        for gemm in GEMMS:
+        for gemm in gemms:
             mode = mod.modes[gemm]
             if mode == "bf16":
                 continue
