@@ -140,6 +140,11 @@ VARIANTS: dict[str, Variant] = {
     "lv2_one_weight_fprop_tail": Variant(_ONE_W, "lv2 + one weight, fprop in BF16 for the last 18%", _FPROP_TAIL),
     "measured_fprop_tail": Variant(_recipe("adahop_measured"), "the measured policy, fprop in BF16 for the last 18%",
                                    _FPROP_TAIL),
+    # the first and last blocks' linears in BF16 (TrainConfig.bf16_blocks): on pretrained SmolLM2
+    # they carry a quarter of the MXFP4 forward's cost (benchmarks/pretrained_forward.py)
+    "lv2_bf16_ends": Variant(_LV2, "lv2, the first and last blocks in BF16", (("bf16_blocks", (1, 1)),)),
+    "measured_bf16_ends": Variant(_recipe("adahop_measured"), "the measured policy, the first and last blocks in BF16",
+                                  (("bf16_blocks", (1, 1)),)),
     # weight-oscillation dampening (train/oscillation.py)
     "lv2_damp1e-3": Variant(_LV2, "lv2, oscillation dampening lambda 1e-3", (("oscillation_dampening", 1e-3),)),
     "lv2_damp1e-2": Variant(_LV2, "lv2, oscillation dampening lambda 1e-2", (("oscillation_dampening", 1e-2),)),
@@ -150,7 +155,7 @@ VARIANTS: dict[str, Variant] = {
 # TrainConfig fields a variant may set; every other field must agree between compared runs.
 # (calibration_micro_batches acts only on the variants that calibrate.)
 VARIANT_FIELDS = ("adahop", "bf16_phase_start", "bf16_phase_gemms", "oscillation_dampening", "drift",
-                  "calibration_micro_batches")
+                  "calibration_micro_batches", "bf16_blocks")
 # (corpus_dir is where the corpus lies on the machine that ran it; which corpus it is, its
 # corpus_id, is compared apart.)
 PER_RUN_FIELDS = ("out_dir", "corpus_dir", "seed", "progress", "extra")

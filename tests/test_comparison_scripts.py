@@ -189,3 +189,17 @@ def test_ablation_variant_with_its_own_calibration_length(tmp_path):
     assert short.adahop.replace(calibration_steps=30, hp_budget=0.08) == measured.adahop
     ab.check_comparable([{"variant": v, "seed": 1, "settings": ab.comparable_settings(c)}
                          for v, c in (("measured", measured), ("measured_b2_c10", short))])
+
+
+def test_ablation_bf16_ends_variant_keeps_the_first_and_last_blocks_bf16(tmp_path):
+    """lv2_bf16_ends is lv2 with bf16_blocks (1, 1), a variant's field: comparable with lv2."""
+    import argparse
+
+    ab = load("ablation")
+    args = argparse.Namespace(out=str(tmp_path), corpus=str(tmp_path / "corpus"), preset="cpu", steps=None, lr=None,
+                              compile="auto", cudagraphs=False, drift_measure=False)
+    lv2, ends = ab.run_config(args, "lv2", 2), ab.run_config(args, "lv2_bf16_ends", 2)
+    assert (lv2.bf16_blocks, ends.bf16_blocks) == ((0, 0), (1, 1)) and ends.adahop == lv2.adahop
+    ends.validate()
+    ab.check_comparable([{"variant": v, "seed": 2, "settings": ab.comparable_settings(c)}
+                         for v, c in (("lv2", lv2), ("lv2_bf16_ends", ends))])
