@@ -38,7 +38,7 @@ import adahop  # noqa: E402
 from adahop.config import RECIPES  # noqa: E402
 from adahop.train.data import TokenBatches, load_corpus  # noqa: E402
 from adahop.train.precision import mxfp4_flop_share  # noqa: E402
-from adahop.train.pretrained import load_init  # noqa: E402
+from adahop.train.pretrained import check_init, load_init  # noqa: E402
 from adahop.train.run import heldout_eval  # noqa: E402
 
 
@@ -71,6 +71,10 @@ def calibrate(model, batches, steps: int, device: torch.device) -> None:
 
 def measure(args, recipe: str, corpus, device: torch.device) -> dict:
     model = load_init(args.init, max_seq_len=args.seq_len).to(device)
+    vocab = model.tok_embeddings.num_embeddings
+    if vocab != corpus.vocab_size:
+        raise SystemExit(f"the corpus's vocabulary ({corpus.vocab_size}) is not the model's ({vocab}): "
+                         "build the corpus with the model's tokenizer (adahop data --tokenizer ...)")
     start = time.perf_counter()
     if recipe != "bf16":
         cfg = recipe_config(recipe, backend=args.backend, calibration_steps=args.calibration_steps, oe_k=args.oe_k,
@@ -135,7 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    corpus = load_corpus(args.corpus)
+    try:
+        check_init(args.init)
+        if args.init == "scratch":
+            raise ValueError("--init scratch has no pretrained weights: give smollm2, a .gguf file or a Hugging Face "
+                             "Llama folder")
+        corpus = load_corpus(args.corpus)
+    except (ValueError, OSError) as e:
+        p.error(str(e))
     env = environment("pretrained_forward.py", sys.argv[1:] if argv is None else argv)
     print_environment(env)
     out = Path(args.out) if args.out else None

@@ -537,6 +537,12 @@ def test_pretrained_forward_benchmark(corpus, tmp_path, capsys):
     assert down["settings"]["layers"] == ["*.w2"]
     with pytest.raises(SystemExit):
         bench.main(["--corpus", str(corpus), "--recipes", "nope"])
+    for init in ("scratch", str(tmp_path / "absent.gguf")):
+        with pytest.raises(SystemExit):
+            bench.main(["--init", init, "--corpus", str(corpus)])
+    other = write_hf(tmp_path / "other_vocab", HF_CONFIG, hf_weights(HF_CONFIG))
+    with pytest.raises(SystemExit, match="is not the model's"):
+        bench.main(["--init", str(other), "--corpus", str(corpus), "--recipes", "bf16", "--device", "cpu"])
     with pytest.raises(SystemExit, match="matches none of the model's linears"):
         bench.main(["--init", str(folder), "--corpus", str(corpus), "--recipes", "mxfp4", "--layers", "*.down_proj",
                     "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1", "--device", "cpu"])
