@@ -26,6 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from test_patterns_scale import planted  # noqa: E402
+
 import adahop  # noqa: E402
 from adahop.patterns.calibration import LayerCalibration, observe_parts, observe_tensor, tensor_part  # noqa: E402
 from adahop.patterns.detect import unit_scaled  # noqa: E402
@@ -49,16 +51,6 @@ def exact(v):
     if isinstance(v, (list, tuple)):
         return [exact(x) for x in v]
     raise TypeError(f"cannot record {type(v).__name__}")
-
-
-def planted(kind: str, shape, seed=0, dtype=torch.float32, device="cpu") -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randn(shape, generator=g, dtype=torch.float64)
-    if kind == "row":
-        t[[i % shape[0] for i in (3, 70, 200)]] *= 20
-    elif kind == "col":
-        t[:, [i % shape[1] for i in (5, 99)]] *= 20
-    return t.to(dtype).to(device)
 
 
 def tensor_cases(device):

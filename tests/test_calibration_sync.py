@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from calibration_record import batches
 
 import adahop
 from adahop.patterns.calibration import LayerCalibration, observe_on_device, tensor_part
@@ -105,15 +106,6 @@ def test_the_guard_catches_every_read():
     assert t[0].item() == 1.0 and torch.equal(t, t)  # restored
 
 
-def batches(steps, batch=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        start = torch.randint(0, VOCAB, (batch, 1), generator=g)
-        stride = torch.randint(1, 4, (batch, 1), generator=g)
-        seq = (start + stride * torch.arange(SEQ + 1)) % VOCAB
-        yield seq[:, :-1], seq[:, 1:]
-
-
 def calibrate(device, recipe, gemms, parts, steps, guard) -> TinyLM:
     """A tiny model converted to ``recipe``, trained for ``steps`` calibration steps, each (but
     the last: the freeze) inside ``guard()``; the optimizer step runs outside (it is no part of
@@ -122,7 +114,7 @@ def calibrate(device, recipe, gemms, parts, steps, guard) -> TinyLM:
     model = TinyLM(vocab=VOCAB, d=64, layers=2, heads=4, seq_len=SEQ).to(device)
     cfg = adahop.AdaHOPConfig.from_recipe_name(recipe, calibration_steps=steps, calibration_gemms=gemms)
     adahop.convert_to_adahop_training(model, config=cfg.with_gemm_settings(oe_k=4))
-    for step, (inputs, targets) in enumerate(batches(steps)):
+    for step, (inputs, targets) in enumerate(batches(0, steps, seq=SEQ, vocab=VOCAB)):
         inputs, targets = inputs.to(device), targets.to(device)
         last = step == steps - 1
         split = adahop.calibration_parts(model, parts) if parts > 1 else contextlib.nullcontext()

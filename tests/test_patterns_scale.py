@@ -11,14 +11,14 @@ import torch
 from adahop.patterns.detect import detect_outlier_pattern, outlier_scores, topk_energy_share, unit_scaled
 
 
-def planted(kind: str, shape=(256, 192), seed=0, dtype=torch.float32) -> torch.Tensor:
+def planted(kind: str, shape=(256, 192), seed=0, dtype=torch.float32, device="cpu") -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     t = torch.randn(shape, generator=g, dtype=torch.float64)
     if kind == "row":
         t[[i % shape[0] for i in (3, 70, 200)]] *= 20
     elif kind == "col":
         t[:, [i % shape[1] for i in (5, 99)]] *= 20
-    return t.to(dtype)
+    return t.to(dtype).to(device)
 
 
 def reference_scores(t: torch.Tensor) -> tuple[float, float]:
