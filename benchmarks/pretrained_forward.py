@@ -39,12 +39,8 @@ from adahop.config import RECIPES  # noqa: E402
 from adahop.train.data import TokenBatches, load_corpus  # noqa: E402
 from adahop.train.precision import mxfp4_flop_share  # noqa: E402
 from adahop.train.pretrained import check_init, load_init  # noqa: E402
+from adahop.train.recipes import numerics  # noqa: E402
 from adahop.train.run import heldout_eval  # noqa: E402
-
-
-def recipe_config(recipe: str, *, backend: str, calibration_steps: int, oe_k: int, seed: int) -> adahop.AdaHOPConfig:
-    cfg = adahop.AdaHOPConfig.from_recipe_name(recipe, backend=backend, calibration_steps=calibration_steps, seed=seed)
-    return cfg.with_gemm_settings(oe_k=oe_k)
 
 
 def layer_filter(model, patterns: list[str]):
@@ -77,8 +73,8 @@ def measure(args, recipe: str, corpus, device: torch.device) -> dict:
                          "build the corpus with the model's tokenizer (adahop data --tokenizer ...)")
     start = time.perf_counter()
     if recipe != "bf16":
-        cfg = recipe_config(recipe, backend=args.backend, calibration_steps=args.calibration_steps, oe_k=args.oe_k,
-                            seed=args.seed)
+        cfg = numerics(recipe, calibration_steps=args.calibration_steps, oe_k=args.oe_k).replace(
+            backend=args.backend, seed=args.seed)
         adahop.convert_to_adahop_training(model, config=cfg, module_filter_fn=layer_filter(model, args.layers))
         if not adahop.adahop_layers(model):
             names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][:3]
