@@ -214,7 +214,8 @@ def _merge_quant(quants: list[QuantTensors], weights: torch.Tensor, row_e: torch
                  col_e: torch.Tensor) -> QuantTensors:
     """The parts' quantization statistics as one tensor's (``observe_on_device``); a part without
     energy (all zeros: its NSRs are NaN) weighs nothing, unless no part has any. The weighted sums
-    run in float64, part by part, as sums of Python floats did."""
+    run in float64, part by part, uncompensated (the same on every Python; Python 3.12's ``sum``
+    of floats compensates, and would differ in the last place)."""
     counted = weights > 0
     counted = counted | ~counted.any()
     zero = torch.zeros((), dtype=torch.float64, device=weights.device)
