@@ -28,9 +28,10 @@ Sections:
            BF16 (every launch from Python: what a compiled model without CUDA graphs pays, host
            time included) and replayed from a CUDA graph (kernel time alone: what
            ``adahop train --cudagraphs`` pays). Prints each shape's ratios, which shapes pay
-           (> 1.0x), and per timing the smallest min(in, out) from which every shape pays: what
-           adahop.convert.MIN_FEATURES (the size rule of convert_to_adahop_training) is set
-           from. --pairs 2, --rep 50 unless given (81 shapes, about two minutes on an H200).
+           (> 1.0x), and per timing the smallest layer size (the harmonic mean of in and out,
+           adahop.convert.layer_size) from which every shape pays: what
+           adahop.convert.HOPPER_MIN_FEATURES (the size rule of convert_to_adahop_training) is
+           set from. --pairs 2, --rep 50 unless given (81 shapes, about two minutes on an H200).
 
 The adaptive recipes run with the modes a calibrated layer typically gets (activations
 col-wise, gradients row-wise: fprop IHT, dgrad IHT+OE-left, wgrad IHT+OE-right). Operands are
@@ -41,6 +42,7 @@ to --out (JSONL, default runs/bench/bench_linear.jsonl), each with the environme
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -62,6 +64,7 @@ from common import (
 )
 
 import adahop
+from adahop.convert import layer_size
 
 SECTIONS = ("linear", "torchao", "profile", "graph", "memory", "sizes")
 DEFAULT_SECTIONS = ("linear", "memory")
@@ -352,33 +355,38 @@ def size_keys(timings=SIZE_TIMINGS) -> list[str]:
 
 def size_threshold(rows: list[dict], variant: str) -> dict:
     """The size rule that ``rows`` (section sizes) decide for ``variant``: ``min_features``, the
-    smallest min(N, K) of the grid from which every shape is faster than BF16 (None when even
-    the largest are not), with the paying shapes it leaves in BF16 (``paying_left_in_bf16``)
-    and every shape that pays. The rule itself is adahop.convert's: convert when min(N, K) >=
-    min_features; any value in (the grid's next smaller dim, min_features] splits this grid alike."""
+    smallest ``layer_size`` (adahop.convert's: the harmonic mean of N and K, rounded up) of the
+    grid from which every shape is faster than BF16 (None when even the largest are not), with
+    the paying shapes it leaves in BF16 (``paying_left_in_bf16``) and every shape that pays. The
+    rule converts when layer_size(N, K) >= min_features; any value in (the grid's next smaller
+    size, min_features] splits this grid alike."""
     pays = {tuple(r["shape"]): r["speedup_vs_bf16"][variant] > 1.0 for r in rows}
-    dims = sorted({min(s) for s in pays})
-    threshold = next((d for d in dims if all(p for s, p in pays.items() if min(s) >= d)), None)
-    left = sorted(s for s, p in pays.items() if p and (threshold is None or min(s) < threshold))
+
+    def size(s):
+        return math.ceil(layer_size(*s))
+
+    threshold = next((d for d in sorted({size(s) for s in pays})
+                      if all(p for s, p in pays.items() if size(s) >= d)), None)
+    left = sorted(s for s, p in pays.items() if p and (threshold is None or size(s) < threshold))
     return {"min_features": threshold, "paying_left_in_bf16": left, "paying": sorted(s for s, p in pays.items() if p),
             "shapes": len(pays)}
 
 
 def sizes_table(rows: list[dict], summary: list[dict], keys=None) -> str:
-    """Markdown: one line per shape (out, in, min, each variant's speed over BF16 per timing,
-    which pay), then each threshold."""
+    """Markdown: one line per shape (out, in, layer_size, each variant's speed over BF16 per
+    timing, which pay), then each threshold."""
     names = list(keys or size_keys())
-    lines = ["| out (N) | in (K) | min | bf16 ms | " + " | ".join(f"{n} vs bf16" for n in names) + " | pays |",
+    lines = ["| out (N) | in (K) | layer_size | bf16 ms | " + " | ".join(f"{n} vs bf16" for n in names) + " | pays |",
              "|---:|---:|---:|---:|" + "---:|" * len(names) + "---|"]
-    for r in sorted(rows, key=lambda r: (min(r["shape"]), tuple(r["shape"]))):
+    for r in sorted(rows, key=lambda r: (layer_size(*r["shape"]), tuple(r["shape"]))):
         N, K = r["shape"]
         ratios = r["speedup_vs_bf16"]
         paying = ", ".join(n for n in names if ratios[n] > 1.0) or "-"
-        lines.append(f"| {N} | {K} | {min(N, K)} | {r['bf16_ms']:.3f} | "
+        lines.append(f"| {N} | {K} | {layer_size(N, K):.0f} | {r['bf16_ms']:.3f} | "
                      + " | ".join(f"{ratios[n]:.2f}x" for n in names) + f" | {paying} |")
     for s in summary:
         t = s["min_features"]
-        rule = (f"min_features = {t}: every shape with min(in, out) >= {t} pays" if t is not None
+        rule = (f"min_features = {t}: every shape with layer_size >= {t} pays" if t is not None
                 else "no threshold: some of the largest shapes do not pay")
         lines.append(f"{s['summary']}: {len(s['paying'])}/{s['shapes']} shapes pay; {rule}; "
                      f"{len(s['paying_left_in_bf16'])} paying shapes below it")

@@ -394,9 +394,10 @@ def _add_train_args(p):
     g.add_argument("--bf16-blocks", type=_bf16_blocks, metavar="FIRST,LAST",
                    help="keep the linears of the first FIRST and the last LAST transformer blocks in BF16")
     g.add_argument("--min-features", type=int, default=None, metavar="N",
-                   help="keep linears whose smaller dim, min(in_features, out_features), is below N in BF16 "
-                        "(default: adahop.convert.MIN_FEATURES, 0: every size; 4096 converts only where MXFP4 was "
-                        "measured faster than BF16 on an H200 at 32k tokens per step, HOPPER_MIN_FEATURES)")
+                   help="keep linears whose layer size, the harmonic mean 2*in*out/(in+out) of their in and out "
+                        "features, is below N in BF16 (default: adahop.convert.MIN_FEATURES, 0: every size; 3072 "
+                        "converts only where MXFP4 was measured faster than BF16 on an H200 and an H100 at 32k tokens "
+                        "per step, HOPPER_MIN_FEATURES)")
     g.add_argument("--bf16-phase", type=_bf16_phase, metavar="START[:GEMMS]",
                    help="after the fraction START of the steps, run GEMMS (comma-separated of fprop, dgrad, "
                         "wgrad; default all three) in BF16 to the end, e.g. 0.9:fprop")

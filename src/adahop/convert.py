@@ -10,24 +10,28 @@ pass ``module_filter_fn`` to decide yourself.
 The size rule. Converting a layer costs the quantization of X [T, K], W [N, K] and G [T, N]
 (memory-bound: work in T*K + N*K + T*N) and saves part of the three GEMMs' time (compute-bound:
 work in T*N*K). The saving over the cost goes as 1 / (1/N + 1/K + 1/T): for the tokens of a
-training step (T in the tens of thousands) it is set by the layer's smaller dim. So a layer
-is left in BF16 when ``min(in_features, out_features) < min_features``, the torchao float8
-filter's idea (it leaves small layers in BF16 where float8 is slower) in one number.
-``size_filter(min_features)`` is the rule alone; ``default_module_filter(model, min_features=...)``
-is it with the LM-head rule. benchmarks/bench_linear.py's section ``sizes`` measures, per
-(out_features, in_features), whether an AdaHOPLinear forward + backward is faster than BF16's:
-``HOPPER_MIN_FEATURES`` is the threshold it measured on the H200, for the tokens per step it was
-measured at. ``MIN_FEATURES``, the default, is 0 (every layer but the LM head): the rule is a
-speed setting to ask for, not a default, because at the measured threshold every layer of models
-up to 1B parameters, and Llama-8B's K and V projections, would stay BF16, and a recipe asked for
-would silently train nothing in MXFP4 (torchao's and torchtitan's small-layer filters are opt-in
-for the same reason). ``bf16_linears(model)`` lists, after the conversion, the ``nn.Linear``
-layers left in BF16 and why.
+training step (T in the tens of thousands) it is set by the harmonic mean of the two dims,
+``layer_size`` = 2 N K / (N + K) (a square layer's width; between the smaller dim and twice
+it). So a layer is left in BF16 when its ``layer_size`` is below ``min_features``, the torchao
+float8 filter's idea (it leaves small layers in BF16 where float8 is slower) in one number. The
+smaller dim alone would not order the measured shapes: (2048, 8192) pays and (2048, 2048) does
+not. ``size_filter(min_features)`` is the rule alone; ``default_module_filter(model,
+min_features=...)`` is it with the LM-head rule. benchmarks/bench_linear.py's section ``sizes``
+measures, per (out_features, in_features), whether an AdaHOPLinear forward + backward is faster
+than BF16's: ``HOPPER_MIN_FEATURES`` is the threshold it measured on the H200 and the H100, for
+the tokens per step it was measured at. ``MIN_FEATURES``, the default, is 0 (every layer but the
+LM head): the rule is a speed setting to ask for, not a default, because at the measured
+threshold every layer of the 125M model and the attention of models up to 1B parameters (and
+Llama-8B's K and V projections) would stay BF16, and a recipe asked for would silently train
+little or nothing in MXFP4 (torchao's and torchtitan's small-layer filters are opt-in for the
+same reason). ``bf16_linears(model)`` lists, after the conversion, the ``nn.Linear`` layers left
+in BF16 and why.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 
 from torch import nn
@@ -36,14 +40,27 @@ from adahop.config import AdaHOPConfig
 from adahop.linear import AdaHOPLinear
 
 LM_HEAD_NAMES = ("lm_head", "output", "head")
-# The smallest min(in_features, out_features) converted by default; 0 converts every size.
+# The smallest layer_size converted by default; 0 converts every size.
 MIN_FEATURES = 0
-# Where MXFP4 pays on Hopper: the smallest min(in_features, out_features) from which an
-# AdaHOPLinear forward + backward (hopper_fp8) beats BF16 nn.Linear in every shape measured, on
-# an H200 at 32,768 tokens per step, eager and replayed from a CUDA graph alike (1.24-1.31x at
-# (4096, 4096); below it no shape more than 4% faster, most 2-10x slower:
-# benchmarks/results/layer_sizes_h200_2026-12-06). More tokens per step lower it.
-HOPPER_MIN_FEATURES = 4096
+# Where MXFP4 pays on Hopper: a layer_size from which an AdaHOPLinear forward + backward
+# (hopper_fp8) beats BF16 nn.Linear in every shape measured, on an H200 and an H100 at 32,768
+# tokens per step, eager and replayed from a CUDA graph alike. Every shape from layer_size 3277
+# ((2048, 8192), (8192, 2048): 1.02-1.12x) up pays; those at 2731 ((2048, 4096), (4096, 2048))
+# run at 0.79-1.04x and stay BF16; none below is faster than BF16, most are 2-10x slower
+# (benchmarks/results/layer_sizes_h200_2026-12-06, layer_sizes_h100_2026-12-06). More tokens
+# per step lower it.
+HOPPER_MIN_FEATURES = 3072
+
+
+def layer_size(in_features: int, out_features: int) -> float:
+    """The size the rule compares with ``min_features``: the harmonic mean of the two dims,
+    2 * in * out / (in + out) (see the module doc)."""
+    return 2 * in_features * out_features / (in_features + out_features)
+
+
+def _below(mod: nn.Module, min_features: int) -> bool:
+    """``layer_size(mod) < min_features``, in integers."""
+    return 2 * mod.in_features * mod.out_features < min_features * (mod.in_features + mod.out_features)
 
 
 def check_min_features(min_features) -> int:
@@ -54,12 +71,13 @@ def check_min_features(min_features) -> int:
 
 
 def size_filter(min_features: int) -> Callable[[nn.Module, str], bool]:
-    """The size rule alone as a ``module_filter_fn``: accept a Linear whose smaller dim,
-    ``min(in_features, out_features)``, is at least ``min_features`` (see the module doc)."""
+    """The size rule alone as a ``module_filter_fn``: accept a Linear whose ``layer_size``
+    (the harmonic mean of in_features and out_features) is at least ``min_features`` (see the
+    module doc)."""
     check_min_features(min_features)
 
     def keep(mod: nn.Module, fqn: str) -> bool:
-        return min(mod.in_features, mod.out_features) >= min_features
+        return not _below(mod, min_features)
 
     return keep
 
@@ -70,9 +88,10 @@ def _bf16_reason(mod: nn.Module, fqn: str, embedding_weights: set[int], min_feat
         return f"LM head (name ends in {fqn.rsplit('.', 1)[-1]!r})"
     if id(mod.weight) in embedding_weights:
         return "LM head (weight tied to an nn.Embedding)"
-    smaller = min(mod.in_features, mod.out_features)
-    if smaller < min_features:
-        return f"size: min(in_features, out_features) = {smaller} < min_features = {min_features}"
+    if _below(mod, min_features):
+        size = math.floor(10 * layer_size(mod.in_features, mod.out_features)) / 10  # (never shown as the threshold)
+        return (f"size: layer_size({mod.in_features}, {mod.out_features}) = {size:g} < min_features = "
+                f"{min_features}")
     return None
 
 
@@ -81,8 +100,9 @@ def _embedding_weights(model: nn.Module) -> set[int]:
 
 
 def default_module_filter(model: nn.Module, *, min_features: int = MIN_FEATURES) -> Callable[[nn.Module, str], bool]:
-    """Convert every nn.Linear but the LM head and those whose ``min(in_features,
-    out_features)`` is below ``min_features`` (default ``MIN_FEATURES``; see the module doc)."""
+    """Convert every nn.Linear but the LM head and those whose ``layer_size`` (the harmonic mean
+    of in_features and out_features) is below ``min_features`` (default ``MIN_FEATURES``; see
+    the module doc)."""
     check_min_features(min_features)
     embedding_weights = _embedding_weights(model)
 

@@ -29,7 +29,7 @@ from torch import nn
 import adahop
 from adahop.atomic_io import atomic_write_bytes
 from adahop.config import AdaHOPConfig
-from adahop.convert import MIN_FEATURES, check_min_features
+from adahop.convert import MIN_FEATURES, check_min_features, size_filter
 from adahop.train.checkpoint import (
     is_sharded,
     latest_checkpoint,
@@ -94,7 +94,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     # where and when the run leaves MXFP4 (train/precision.py)
     bf16_blocks: tuple[int, int] = (0, 0)  # the first and last blocks' linears stay BF16
-    # linears whose min(in_features, out_features) is below this stay BF16 (adahop.convert, 'the size rule')
+    # linears whose layer_size (the harmonic mean of in and out features) is below this stay BF16
+    # (adahop.convert, 'the size rule')
     min_features: int = MIN_FEATURES
     bf16_phase_start: float | None = None  # fraction of the steps after which bf16_phase_gemms run BF16
     bf16_phase_gemms: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
@@ -447,10 +448,10 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
     if not adahop.adahop_layers(model):
         adahop.convert_to_adahop_training(model, config=cfg.adahop,
                                           module_filter_fn=block_filter(model, cfg.bf16_blocks, cfg.min_features))
-        by_size = [n for n, m in model.named_modules()
-                   if type(m) is nn.Linear and min(m.in_features, m.out_features) < cfg.min_features]
+        size_rule = size_filter(cfg.min_features)
+        by_size = [n for n, m in model.named_modules() if type(m) is nn.Linear and not size_rule(m, n)]
         if by_size and par.is_main:
-            print(f"{len(by_size)} linear layers stay BF16 by the size rule (min(in, out) < {cfg.min_features}): "
+            print(f"{len(by_size)} linear layers stay BF16 by the size rule (layer_size < {cfg.min_features}): "
                   f"{', '.join(by_size[:4])}{', ...' if len(by_size) > 4 else ''}", file=sys.stderr)
     model.to(device).train()
     compile_mode = resolve_compile(cfg, device)
