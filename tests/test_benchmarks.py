@@ -55,7 +55,7 @@ def test_every_script_is_listed():
     assert set(SCRIPTS) == {"ablation", "backend_agreement", "bench_gemm", "bench_kernels", "bench_linear",
                             "bench_train_speed", "check_compile", "check_hopper", "gpu_reference_check",
                             "offline_compile", "pretrained_forward", "quant_error_study", "sass_count",
-                            "train_compare"}
+                            "train_compare", "value_error"}
     assert not (BENCH / "bench_hopper.py").exists()
 
 

@@ -546,3 +546,65 @@ def test_pretrained_forward_benchmark(corpus, tmp_path, capsys):
     with pytest.raises(SystemExit, match="matches none of the model's linears"):
         bench.main(["--init", str(folder), "--corpus", str(corpus), "--recipes", "mxfp4", "--layers", "*.down_proj",
                     "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1", "--device", "cpu"])
+
+
+def test_value_error_benchmark(corpus, tmp_path, capsys):
+    """benchmarks/value_error.py: the attention it recomputes is the model's; exactly representable
+    operands have no error in naive MXFP4; tokens that are all the same share all of the weight's
+    error; a row per block with the environment; bad arguments are one-line errors."""
+    import importlib.util
+    import math
+    import sys
+    from pathlib import Path
+
+    from adahop.formats.mxfp4 import fake_quantize_mxfp4
+    from adahop.train.data import load_corpus
+
+    path = Path(__file__).parent.parent / "benchmarks" / "value_error.py"
+    spec = importlib.util.spec_from_file_location("value_error", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+
+    cfg = dict(HF_CONFIG, vocab_size=load_corpus(corpus).vocab_size)
+    folder = write_hf(tmp_path / "hf", cfg, hf_weights(cfg))
+    model = P.load_hf_llama(folder, max_seq_len=16)
+    inputs = torch.randint(0, cfg["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    outputs = []
+    handle = model.layers[1].attention.register_forward_hook(lambda m, a, out: outputs.append(out))
+    captured = bench.capture_attention_inputs(model, inputs)
+    handle.remove()
+    assert len(captured) == 2
+    c = captured[1]
+    attn = c["attention"]
+    probs = bench.attention_probs(c["q"], c["k"])
+    assert torch.allclose(probs.sum(-1), torch.ones(()), atol=1e-6) and probs[..., 0, 1:].abs().max() == 0  # causal
+    a = bench.attend(probs, attn.wv(c["x"]), attn.n_kv_heads, attn.head_dim)
+    torch.testing.assert_close(attn.wo(a.transpose(1, 2).reshape(2, 16, -1)), outputs[0], atol=1e-5, rtol=1e-5)
+
+    # operands already on the MXFP4 grid: naive MXFP4 adds no error, IHT does
+    g = torch.Generator().manual_seed(1)
+    x = fake_quantize_mxfp4(torch.randn(2, 16, 32, generator=g))
+    w = fake_quantize_mxfp4(torch.randn(attn.n_kv_heads * attn.head_dim, 32, generator=g))
+    r = bench.value_errors(x, w, probs, attn.n_kv_heads, attn.head_dim)
+    assert all(math.isinf(r["mxfp4"][p][k]) for p in bench.PARTS for k in ("v_db", "out_db"))
+    assert all(math.isfinite(r["iht"][p]["v_db"]) for p in bench.PARTS)
+    # every token the same: the weight's error is common to all of them
+    same = torch.randn(1, 1, 32, generator=g).expand(2, 16, 32).contiguous()
+    r = bench.value_errors(same, torch.randn(w.shape, generator=g), probs, attn.n_kv_heads, attn.head_dim)
+    assert abs(r["mxfp4"]["common_share"] - 1) < 1e-6 and abs(r["iht"]["common_share"] - 1) < 1e-6
+
+    out = tmp_path / "rows.jsonl"
+    assert bench.main(["--init", str(folder), "--corpus", str(corpus), "--seq-len", "16", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["block"] for r in rows] == [0, 1] and all("env" in r and r["settings"]["seq_len"] == 16 for r in rows)
+    assert all(math.isfinite(r[m]["both"]["out_db"]) for r in rows for m in bench.MODES)
+    assert "| mean |" in capsys.readouterr().out
+    for bad in (["--batches", "0"], ["--init", "scratch"], ["--init", str(tmp_path / "absent.gguf")]):
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--corpus", str(corpus), *bad])
+        assert e.value.code == 2
+    other = write_hf(tmp_path / "other_vocab", HF_CONFIG, hf_weights(HF_CONFIG))
+    with pytest.raises(SystemExit):
+        bench.main(["--init", str(other), "--corpus", str(corpus)])
+    assert "is not the model's" in capsys.readouterr().err
