@@ -2,7 +2,7 @@
 pretrained model: the SQNR of V = X Wv^T and of the attention output softmax(Q K^T) V, under naive
 MXFP4 and under IHT (a block Hadamard of 32 on both operands, then MXFP4), for the whole error
 and for the weight's and the activation's error apart, with the share of the weight's error that
-every token has in common.
+every token has in common and how much of the activation's energy a few channels carry.
 
 A GEMM's output SQNR, which the measured policy ranks the modes by, weighs every token's error
 alike. Attention hands each query a weighted mean of the tokens' V rows: an error that differs
@@ -41,6 +41,7 @@ from adahop.train.pretrained import check_init, load_init  # noqa: E402
 from adahop.transforms.hadamard import block_hadamard  # noqa: E402
 
 MODES = ("mxfp4", "iht")
+TOP_CHANNELS = 4  # the input channels of the largest energy that ``channels`` reports on
 PARTS = ("both", "weight", "activation")  # which operand's quantization error is kept
 
 
@@ -119,10 +120,19 @@ def value_errors(x: torch.Tensor, w: torch.Tensor, probs: torch.Tensor, n_kv_hea
     return result
 
 
+def channels(x: torch.Tensor, w: torch.Tensor, top: int = TOP_CHANNELS) -> dict:
+    """The ``top`` input channels of the largest energy over all tokens: their share of x's
+    energy, and the mean |w| on them over the mean |w| of all channels."""
+    energy = x.flatten(0, -2).double().pow(2).sum(0)
+    idx = energy.topk(top).indices
+    return {"top_channels": idx.tolist(), "top_energy_share": (energy[idx].sum() / energy.sum()).item(),
+            "top_weight_ratio": (w[:, idx].abs().mean() / w.abs().mean()).item()}
+
+
 def measure(model, batches: list[torch.Tensor]) -> list[dict]:
     """One row per block: ``value_errors`` over ``batches`` of token ids (their SQNRs as the
-    ratio of the summed energies: the batches concatenated), and the mean attention weight on
-    the first token of each window."""
+    ratio of the summed energies: the batches concatenated), ``channels``, and the mean attention
+    weight on the first token of each window."""
     per_block: dict[int, list] = {}
     for inputs in batches:
         for i, c in enumerate(capture_attention_inputs(model, inputs)):
@@ -135,14 +145,15 @@ def measure(model, batches: list[torch.Tensor]) -> list[dict]:
         x = torch.cat([it[0] for it in items])
         probs = torch.cat([it[2] for it in items])
         rows.append({"block": i, **value_errors(x, items[0][1], probs, attn.n_kv_heads, attn.head_dim),
-                     "first_token_attention": probs[..., 0].mean().item()})
+                     **channels(x, items[0][1]), "first_token_attention": probs[..., 0].mean().item()})
     return rows
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| block | V SQNR mxfp4 / iht (dB) | attention output mxfp4 / iht | weight error only, output | "
-             "activation error only, output | weight error common to all tokens, mxfp4 / iht | attention on the "
-             "first token |", "|---:|---|---|---|---|---|---:|"]
+             "activation error only, output | weight error common to all tokens, mxfp4 / iht | top-4 channels' "
+             "share of X's energy | their mean \\|W\\| over all | attention on the first token |",
+             "|---:|---|---|---|---|---|---:|---:|---:|"]
 
     def pair(r, part, key):
         return f"{r['mxfp4'][part][key]:.2f} / {r['iht'][part][key]:.2f}"
@@ -151,16 +162,17 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['block']} | {pair(r, 'both', 'v_db')} | {pair(r, 'both', 'out_db')} | "
                      f"{pair(r, 'weight', 'out_db')} | {pair(r, 'activation', 'out_db')} | "
                      f"{r['mxfp4']['common_share']:.2f} / {r['iht']['common_share']:.2f} | "
-                     f"{r['first_token_attention']:.3f} |")
+                     f"{r['top_energy_share']:.2f} | {r['top_weight_ratio']:.2f} | {r['first_token_attention']:.3f} |")
     mean = {m: {p: {k: sum(r[m][p][k] for r in rows) / len(rows) for k in ("v_db", "out_db")} for p in PARTS}
             for m in MODES}
     for m in MODES:
         mean[m]["common_share"] = sum(r[m]["common_share"] for r in rows) / len(rows)
-    mean_row = {"block": "mean", **mean, "first_token_attention": sum(r["first_token_attention"] for r in rows)
-                / len(rows)}
+    mean_row = {"block": "mean", **mean, **{k: sum(r[k] for r in rows) / len(rows) for k in (
+        "top_energy_share", "top_weight_ratio", "first_token_attention")}}
     lines.append(f"| mean | {pair(mean_row, 'both', 'v_db')} | {pair(mean_row, 'both', 'out_db')} | "
                  f"{pair(mean_row, 'weight', 'out_db')} | {pair(mean_row, 'activation', 'out_db')} | "
                  f"{mean['mxfp4']['common_share']:.2f} / {mean['iht']['common_share']:.2f} | "
+                 f"{mean_row['top_energy_share']:.2f} | {mean_row['top_weight_ratio']:.2f} | "
                  f"{mean_row['first_token_attention']:.3f} |")
     return "\n".join(lines)
 

@@ -593,12 +593,19 @@ def test_value_error_benchmark(corpus, tmp_path, capsys):
     same = torch.randn(1, 1, 32, generator=g).expand(2, 16, 32).contiguous()
     r = bench.value_errors(same, torch.randn(w.shape, generator=g), probs, attn.n_kv_heads, attn.head_dim)
     assert abs(r["mxfp4"]["common_share"] - 1) < 1e-6 and abs(r["iht"]["common_share"] - 1) < 1e-6
+    # a massive input channel and a small weight on it
+    big, small_w = torch.randn(2, 16, 32, generator=g), torch.randn(w.shape, generator=g)
+    big[..., 7] = 100.0
+    small_w[:, 7] *= 1e-3
+    ch = bench.channels(big, small_w, top=1)
+    assert ch["top_channels"] == [7] and ch["top_energy_share"] > 0.99 and ch["top_weight_ratio"] < 0.01
 
     out = tmp_path / "rows.jsonl"
     assert bench.main(["--init", str(folder), "--corpus", str(corpus), "--seq-len", "16", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["block"] for r in rows] == [0, 1] and all("env" in r and r["settings"]["seq_len"] == 16 for r in rows)
     assert all(math.isfinite(r[m]["both"]["out_db"]) for r in rows for m in bench.MODES)
+    assert all(0 < r["top_energy_share"] <= 1 and len(r["top_channels"]) == bench.TOP_CHANNELS for r in rows)
     assert "| mean |" in capsys.readouterr().out
     for bad in (["--batches", "0"], ["--init", "scratch"], ["--init", str(tmp_path / "absent.gguf")]):
         with pytest.raises(SystemExit) as e:
