@@ -10,7 +10,9 @@ Hugging Face Llama folder), converted, and, for an adaptive recipe, calibrated: 
 dropped, no optimizer step), after which the modes freeze as they would in training. Then the
 held-out loss over the first ``--eval-batches`` batches of each source's validation shard
 (token-weighted, as the trainer reports it; BF16 autocast on a GPU). ``--layers`` converts only
-the linears it names (the rest stay BF16), to find which layers' forward the loss pays for.
+the linears it names (the rest stay BF16), to find which layers' forward the loss pays for;
+``--set-fprop PATTERN=MODE`` runs the forward GEMM of the linears it names in another mode after
+the calibration, to find what a policy's choice there costs.
 
     python benchmarks/pretrained_forward.py --init smollm2 --corpus runs/corpus_smollm2 \\
         --recipes bf16 mxfp4 mxfp4_iht adahop_lv2 adahop_measured --out runs/pretrained_forward.jsonl
@@ -36,6 +38,7 @@ from common import environment, print_environment  # noqa: E402
 
 import adahop  # noqa: E402
 from adahop.config import RECIPES  # noqa: E402
+from adahop.policy import GEMM_MODES  # noqa: E402
 from adahop.train.data import TokenBatches, load_corpus  # noqa: E402
 from adahop.train.precision import mxfp4_flop_share  # noqa: E402
 from adahop.train.pretrained import check_init, load_init  # noqa: E402
@@ -65,6 +68,31 @@ def calibrate(model, batches, steps: int, device: torch.device) -> None:
         raise RuntimeError("the adaptive layers did not freeze after the calibration steps")
 
 
+def parse_set_fprop(items: list[str]) -> list[tuple[str, str]]:
+    """``PATTERN=MODE`` items as (pattern, mode); ValueError naming what is allowed."""
+    out = []
+    for item in items:
+        pattern, sep, mode = item.rpartition("=")
+        if not sep or not pattern or mode not in GEMM_MODES:
+            raise ValueError(f"--set-fprop takes PATTERN=MODE with MODE one of {', '.join(GEMM_MODES)}, got {item!r}")
+        out.append((pattern, mode))
+    return out
+
+
+def set_fprop(model, rules: list[tuple[str, str]]) -> None:
+    """Run the forward GEMM of the converted linears whose name matches a rule's pattern in its
+    mode (the later rule wins), the other two GEMMs as they were."""
+    layers = adahop.adahop_layers(model)
+    for pattern, mode in rules:
+        matched = [layer for name, layer in layers.items() if fnmatch.fnmatchcase(name, pattern)]
+        if not matched:
+            raise SystemExit(f"--set-fprop {pattern}={mode} matches none of the converted linears "
+                             f"(named like {', '.join(list(layers)[:3])})")
+        for layer in matched:
+            oe_ks = {g: k for g, k in (layer.oe_ks or {}).items() if g != "fprop"}
+            layer.set_modes({**layer.modes, "fprop": mode}, oe_ks=oe_ks or None)
+
+
 def measure(args, recipe: str, corpus, device: torch.device) -> dict:
     model = load_init(args.init, max_seq_len=args.seq_len).to(device)
     vocab = model.tok_embeddings.num_embeddings
@@ -84,12 +112,14 @@ def measure(args, recipe: str, corpus, device: torch.device) -> dict:
             batches = iter(TokenBatches(corpus, "train", batch_size=args.batch_size, seq_len=args.seq_len,
                                         seed=args.seed))
             calibrate(model, batches, args.calibration_steps, device)
+        set_fprop(model, args.set_fprop)
     result = heldout_eval(model, corpus, seq_len=args.seq_len, batch_size=args.batch_size,
                           max_batches=args.eval_batches)
     modes = {name: layer.modes for name, layer in adahop.adahop_layers(model).items()}
     share = mxfp4_flop_share(model, args.seq_len, gemms=("fprop",))  # the share of the forward's FLOPs
-    return {"recipe": recipe, "heldout_loss": result["loss"], "tokens": result["tokens"], "fprop_mxfp4_share": share,
-            "sources": {s: v["loss"] for s, v in result["sources"].items()},
+    label = recipe + "".join(f" ({p} fprop {m})" for p, m in args.set_fprop if recipe != "bf16")
+    return {"recipe": recipe, "label": label, "heldout_loss": result["loss"], "tokens": result["tokens"],
+            "fprop_mxfp4_share": share, "sources": {s: v["loss"] for s, v in result["sources"].items()},
             "seconds": time.perf_counter() - start, "modes": modes}
 
 
@@ -100,7 +130,7 @@ def table(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * (4 + len(sources))]
     for r in rows:
         per = " | ".join(f"{r['sources'][s]:.4f}" for s in sources)
-        lines.append(f"| {r['recipe']} | {r['fprop_mxfp4_share']:.1%} | {r['heldout_loss']:.4f} | "
+        lines.append(f"| {r['label']} | {r['fprop_mxfp4_share']:.1%} | {r['heldout_loss']:.4f} | "
                      f"{r['heldout_loss'] - base:+.4f} | {per} |")
     return "\n".join(lines)
 
@@ -115,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", nargs="+", default=["*"],
                    help="convert only the linears whose name matches one of these patterns (fnmatch, e.g. "
                         "'*.feed_forward.w2'); the others stay BF16 (default: every linear the recipe converts)")
+    p.add_argument("--set-fprop", nargs="+", default=[], metavar="PATTERN=MODE",
+                   help="after the calibration, run the forward GEMM of the converted linears whose name matches "
+                        f"PATTERN (fnmatch) in MODE, one of {', '.join(GEMM_MODES)} (e.g. '*.wv=mxfp4')")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=4, help="windows per batch (default: %(default)s)")
     p.add_argument("--eval-batches", type=int, default=2, help="batches of each source's validation shard")
@@ -132,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("seq_len", "batch_size", "eval_batches", "calibration_steps", "oe_k"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        args.set_fprop = parse_set_fprop(args.set_fprop)
+    except ValueError as e:
+        p.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -152,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     for recipe in args.recipes:
         row = measure(args, recipe, corpus, device)
         rows.append(row)
-        print(f"[{recipe}] held-out {row['heldout_loss']:.4f} ({row['seconds']:.0f} s)", flush=True)
+        print(f"[{row['label']}] held-out {row['heldout_loss']:.4f} ({row['seconds']:.0f} s)", flush=True)
         if out:
             with out.open("a") as f:
                 f.write(json.dumps({"benchmark": "pretrained_forward", **row, "settings": {

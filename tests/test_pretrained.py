@@ -543,6 +543,28 @@ def test_pretrained_forward_benchmark(corpus, tmp_path, capsys):
     other = write_hf(tmp_path / "other_vocab", HF_CONFIG, hf_weights(HF_CONFIG))
     with pytest.raises(SystemExit, match="is not the model's"):
         bench.main(["--init", str(other), "--corpus", str(corpus), "--recipes", "bf16", "--device", "cpu"])
+    # --set-fprop: the forward GEMM of the named layers in another mode after the calibration
+    assert bench.main(["--init", str(folder), "--corpus", str(corpus), "--recipes", "adahop_lv2", "mxfp4",
+                       "--set-fprop", "*.wv=mxfp4", "*.wo=iht+oe_right", "--seq-len", "16", "--batch-size", "2",
+                       "--eval-batches", "1", "--calibration-steps", "2", "--backend", "reference", "--device", "cpu",
+                       "--out", str(out)]) == 0
+    lv2, mx = (json.loads(line) for line in out.read_text().splitlines()[-2:])
+    assert lv2["label"] == "adahop_lv2 (*.wv fprop mxfp4) (*.wo fprop iht+oe_right)"
+    assert lv2["settings"]["set_fprop"] == [["*.wv", "mxfp4"], ["*.wo", "iht+oe_right"]]
+    for row in (lv2, mx):
+        for name, m in row["modes"].items():
+            expected = {"wv": "mxfp4", "wo": "iht+oe_right"}.get(name.rsplit(".", 1)[1])
+            assert expected is None or m["fprop"] == expected, (name, m)
+    assert {m["dgrad"] for n, m in mx["modes"].items()} == {"mxfp4"}  # the other GEMMs as they were
+    wv = "layers.0.attention.wv"
+    assert rows["adahop_lv2"]["modes"][wv]["dgrad"] == lv2["modes"][wv]["dgrad"]
+    for bad in (["--set-fprop", "*.wv=fp8"], ["--set-fprop", "mxfp4"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--init", str(folder), "--corpus", str(corpus), *bad])
+        assert e.value.code == 2
+    with pytest.raises(SystemExit, match="matches none of the converted linears"):
+        bench.main(["--init", str(folder), "--corpus", str(corpus), "--recipes", "mxfp4", "--set-fprop", "*.v_proj=iht",
+                    "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1", "--device", "cpu"])
     with pytest.raises(SystemExit, match="matches none of the model's linears"):
         bench.main(["--init", str(folder), "--corpus", str(corpus), "--recipes", "mxfp4", "--layers", "*.down_proj",
                     "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1", "--device", "cpu"])
