@@ -129,6 +129,13 @@ VARIANTS: dict[str, Variant] = {
     "mxfp4_one_weight": Variant(_recipe("mxfp4", dgrad_weight="forward"),
                                 "naive MXFP4, W tile-quantized once for fprop and dgrad"),
     "lv2_one_weight": Variant(_ONE_W, "lv2, dgrad multiplies by the forward's quantized weight"),
+    # attention's value projections' forward without the Hadamard (AdaHOPConfig.value_fprop):
+    # their weight's error, shared by every token, survives attention's mean over tokens
+    "lv2_v_mxfp4": Variant(_recipe("adahop_lv2", value_fprop="mxfp4"), "lv2, V projections' fprop in naive MXFP4"),
+    "measured_v_mxfp4": Variant(_recipe("adahop_measured", value_fprop="mxfp4"),
+                                "the measured policy, V projections' fprop in naive MXFP4"),
+    "mxfp4_iht_v_mxfp4": Variant(_recipe("mxfp4_iht", value_fprop="mxfp4"),
+                                 "IHT on every GEMM but the V projections' fprop (naive MXFP4)"),
     # A BF16 phase (TrainConfig.bf16_phase_start / _gemms, train/precision.py): the last fraction
     # of the steps runs the listed GEMMs in BF16 (the higher-precision final phase of Chmiel et
     # al., "FP4 All the Way", 2025; NVIDIA's NVFP4 recipe switches the forward alone).

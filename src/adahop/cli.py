@@ -56,7 +56,7 @@ def train_config(args):
                  model_size=args.model_size, device=args.device, init=_init_arg(args.init),
                  seq_len=args.seq_len, oe_k=args.oe_k, calibration_steps=args.calibration_steps,
                  calibration_gemms=args.calibration_gemms, calibration_micro_batches=args.calibration_micro_batches,
-                 dgrad_weight=args.dgrad_weight,
+                 dgrad_weight=args.dgrad_weight, value_fprop=args.value_fprop,
                  oscillation_dampening=args.oscillation_dampening,
                  backend=args.backend, progress=not args.no_progress, compile=args.compile,
                  cudagraphs=args.cudagraphs or None,
@@ -354,6 +354,7 @@ def _bf16_phase(text: str) -> tuple[float, tuple[str, ...]]:
 
 def _add_train_args(p):
     from adahop.config import BACKEND_CHOICES, DGRAD_WEIGHTS
+    from adahop.policy import GEMM_MODES
     from adahop.train.model import SIZES
     from adahop.train.recipes import PRESETS
 
@@ -388,6 +389,10 @@ def _add_train_args(p):
     g.add_argument("--dgrad-weight", choices=DGRAD_WEIGHTS, default=None,
                    help="the weight dgrad multiplies by: master (the layer's own, quantized on its own; the "
                         "default) or forward (the forward GEMM's quantized weight: one quantized W in both)")
+    g.add_argument("--value-fprop", choices=GEMM_MODES, default=None, metavar="MODE",
+                   help="the forward GEMM's mode in attention's value projections (wv, v_proj), in place of the "
+                        f"policy's or the recipe's: one of {', '.join(GEMM_MODES)} (mxfp4: no Hadamard there, "
+                        "docs/method.md)")
     g.add_argument("--oscillation-dampening", type=float, default=None, metavar="LAMBDA",
                    help="add LAMBDA * ||W - Q(W)||^2 to the loss (Q(W): the forward's quantized weight), which "
                         "keeps weights from flipping between FP4 values; default 0 (off)")

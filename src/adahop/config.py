@@ -47,6 +47,14 @@ CALIBRATION_GEMMS = ("bf16", "iht")
 # "master", the layer's weight quantized on its own (the paper), or "forward", the weight the
 # forward GEMM multiplied by.
 DGRAD_WEIGHTS = ("master", "forward")
+# The names (last component) of attention's value projections: adahop's Llama and Hugging Face's.
+VALUE_PROJECTIONS = ("wv", "v_proj")
+
+
+def is_value_projection(name: str) -> bool:
+    """Whether the layer named ``name`` (its qualified name in the model) is an attention value
+    projection (``VALUE_PROJECTIONS``), whose forward ``AdaHOPConfig.value_fprop`` sets."""
+    return name.rsplit(".", 1)[-1] in VALUE_PROJECTIONS
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,13 @@ class AdaHOPConfig:
     # A plain-MXFP4 forward then quantizes W with one scale per 32 x 32 tile, and a plain-MXFP4
     # dgrad multiplies by the very same quantized W (formats.mxfp4.fake_quantize_mxfp4_tiles).
     dgrad_weight: str = "master"
+    # The forward GEMM's mode in attention's value projections (``is_value_projection``), in place
+    # of the policy's or the recipe's; None: theirs. Attention averages V's output over tokens,
+    # which shrinks the activation's quantization error (different in every token) and keeps
+    # the weight's (the same in every token, on activations whose largest channels every token
+    # shares): IHT lowers the first and raises the second (docs/method.md, 'The value
+    # projection's forward').
+    value_fprop: str | None = None
     tau: float = DEFAULT_TAU
     backend: str = "auto"
     seed: int = 0
@@ -125,6 +140,11 @@ class AdaHOPConfig:
             if self.fprop.b_rounding != "rne":
                 raise ValueError("dgrad_weight 'forward' recomputes the forward's weight in the backward: "
                                  f"fprop's b_rounding must be 'rne', got {self.fprop.b_rounding!r}")
+        if self.value_fprop is not None:
+            check_choice("value_fprop", self.value_fprop, GEMM_MODES)
+            if not self.adaptive and set(self.fixed_modes().values()) == {"bf16"}:
+                raise ValueError(f"value_fprop is for recipes with MXFP4 GEMMs; recipe {self.recipe!r} runs every "
+                                 "GEMM in BF16")
         check_tau(self.tau)
         check_seed(self.seed)
         if not isinstance(self.adaptive, bool):
@@ -145,6 +165,18 @@ class AdaHOPConfig:
     def fixed_modes(self) -> dict[str, str]:
         """The per-GEMM modes of a non-adaptive recipe."""
         return {g: self.gemm(g).mode for g in GEMMS}
+
+    def layer_modes(self, name: str, modes: Mapping[str, str], oe_ks: Mapping[str, int] | None = None
+                    ) -> tuple[dict[str, str], dict[str, int] | None]:
+        """``modes`` (and the OE k per GEMM a policy chose) of the layer named ``name`` after the
+        config's own rules: ``value_fprop`` in a value projection (its forward's k, if the
+        policy chose one, dropped: an OE mode there runs the config's)."""
+        modes, oe_ks = dict(modes), dict(oe_ks) if oe_ks else None
+        if self.value_fprop is not None and is_value_projection(name):
+            modes["fprop"] = self.value_fprop
+            if oe_ks:
+                oe_ks.pop("fprop", None)
+        return modes, oe_ks or None
 
     def replace(self, **changes) -> AdaHOPConfig:
         return dataclasses.replace(self, **changes)

@@ -113,7 +113,7 @@ class AdaHOPLinear(nn.Linear):
         self.calibration = LayerCalibration() if config.adaptive else None
         self.oe_ks: dict | None = None  # the OE k per GEMM a policy chose (None: the config's)
         self.patterns: dict | None = None
-        self.modes: dict | None = None if config.adaptive else config.fixed_modes()
+        self.modes: dict | None = None if config.adaptive else config.layer_modes(name, config.fixed_modes())[0]
         # False: the layer does not freeze itself when calibration ends; the caller merges the
         # observations first (e.g. across data-parallel ranks) and calls finish_calibration.
         self.freeze_when_calibrated = True
@@ -210,7 +210,7 @@ class AdaHOPLinear(nn.Linear):
         summary = self.calibration.summary()
         policy = self.config.policy_fn
         result = policy(summary) if policy is not None else table_policy(summary, self.config.policy)
-        modes, oe_ks = policy_result(result)
+        modes, oe_ks = self.config.layer_modes(self.layer_name, *policy_result(result))
         self.patterns = {r: summary[r]["pattern"] for r in ("x", "w", "g")}
         self.__dict__["oe_ks"] = oe_ks or None
         self.modes = modes  # (after oe_ks: the numerics follow both)

@@ -82,15 +82,16 @@ PRESETS = {"debug": debug, "cpu": cpu, "h200": h200, "h200_125m": h200_125m, "h2
            "cpu_smollm2": cpu_smollm2}
 
 # Overrides of the AdaHOP side that ``preset`` accepts beside TrainConfig's own fields.
-ADAHOP_OVERRIDES = ("recipe", "calibration_steps", "calibration_gemms", "dgrad_weight", "oe_k", "backend")
+ADAHOP_OVERRIDES = ("recipe", "calibration_steps", "calibration_gemms", "dgrad_weight", "value_fprop", "oe_k",
+                    "backend")
 
 
 def preset(name: str, *, adahop: AdaHOPConfig | None = None, **overrides) -> TrainConfig:
     """Preset ``name`` with ``overrides`` (None values are ignored, so a CLI's unset options pass
-    through). ``recipe`` picks the recipe; ``calibration_steps``, ``calibration_gemms``, ``dgrad_weight``, ``oe_k``
-    (all GEMMs) and ``backend`` change the AdaHOP side; ``adahop`` replaces the AdaHOP config as a whole (an
-    experiment's own variant), before those; ``seed`` sets both the training seed and the SR
-    seed; every other name is a TrainConfig field."""
+    through). ``recipe`` picks the recipe; ``calibration_steps``, ``calibration_gemms``, ``dgrad_weight``,
+    ``value_fprop``, ``oe_k`` (all GEMMs) and ``backend`` change the AdaHOP side; ``adahop`` replaces the
+    AdaHOP config as a whole (an experiment's own variant), before those; ``seed`` sets both the training
+    seed and the SR seed; every other name is a TrainConfig field."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {tuple(PRESETS)}")
     overrides = {k: v for k, v in overrides.items() if v is not None}
@@ -107,7 +108,7 @@ def preset(name: str, *, adahop: AdaHOPConfig | None = None, **overrides) -> Tra
         q = q.replace(calibration_steps=overrides.pop("calibration_steps"))
     if "backend" in overrides:
         q = q.replace(backend=overrides.pop("backend"))
-    for name in ("calibration_gemms", "dgrad_weight"):
+    for name in ("calibration_gemms", "dgrad_weight", "value_fprop"):
         if name in overrides:
             q = q.replace(**{name: overrides.pop(name)})
     if "oe_k" in overrides:
