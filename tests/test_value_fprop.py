@@ -86,6 +86,20 @@ def test_the_value_projections_forward_runs_the_mode_and_nothing_else_moves(reci
         assert torch.equal(wv(x), naive(x))
 
 
+def test_drift_keeps_the_rule():
+    """Re-deciding the modes on new batches (``measure_drift``) applies the rule as the freeze
+    does: the value projections' forward is never reported as drifted, nor undone."""
+    from adahop.analyze.drift import measure_drift
+
+    model = calibrated("adahop_lv2", "mxfp4")
+    batches = [next(CountingBatches(seed=s)) for s in (5, 6)]
+    result = measure_drift(model, batches, apply=True)
+    assert not any("fprop" in entry.get("modes", {}) for name, entry in result["changed"].items()
+                   if is_value_projection(name))
+    assert all(layer.modes["fprop"] == "mxfp4" for name, layer in adahop.adahop_layers(model).items()
+               if is_value_projection(name))
+
+
 def test_a_tiny_model_trains_with_it_and_the_cli_records_it(tmp_path, capsys):
     from adahop import cli
     from adahop.train import data as D

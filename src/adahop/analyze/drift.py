@@ -97,7 +97,8 @@ def measure_drift(model: nn.Module, batches: Iterable, *, loss_fn: Callable | No
             continue  # no gradient reached it
         summary = cal.summary()
         patterns = {r: summary[r]["pattern"] for r in TENSOR_ROLES}
-        modes, oe_ks = policy_result(layer_policy(layer)(summary))
+        # (with the config's own rules after the policy, as the freeze applies them)
+        modes, oe_ks = layer.config.layer_modes(layer.layer_name, *policy_result(layer_policy(layer)(summary)))
         entry = {}
         frozen_patterns = layer.patterns or {}
         p_diff = {r: [frozen_patterns.get(r), patterns[r]] for r in TENSOR_ROLES
