@@ -64,7 +64,7 @@ def run_config(args, recipe: str, run_dir):
                  calibration_micro_batches=args.calibration_micro_batches,
                  batch_size=args.batch_size, seq_len=args.seq_len, device=args.device,
                  out_dir=str(run_dir), corpus_dir=args.corpus, progress=False, compile=args.compile,
-                 cudagraphs=args.cudagraphs,
+                 cudagraphs=args.cudagraphs, min_features=args.min_features,
                  eval_every=0, ckpt_every=0)
     cfg = dataclasses.replace(cfg, steps=max(cfg.steps, args.steps[1] + args.profile_steps))
     cfg.validate()  # a device this machine lacks, a backend it cannot run: one line
@@ -135,7 +135,7 @@ def measure(args, recipe: str) -> dict:
             "batch_size": cfg.batch_size,
             "seq_len": cfg.seq_len, "grad_accum": cfg.grad_accum, "tokens_per_step": tokens_per_step,
             "calibration_steps": cfg.adahop.calibration_steps if cfg.adahop.adaptive else 0,
-            "calibration_micro_batches": cfg.calibration_micro_batches,
+            "calibration_micro_batches": cfg.calibration_micro_batches, "min_features": cfg.min_features,
             "window": [p0, p1], "steady_tokens_per_s": tokens_per_step / s_per_step,
             "ms_per_step": 1e3 * s_per_step, "first_step_s": state["first_step_s"],
             "peak_memory_bytes": state["peak_bytes"], "steady_peak_memory_bytes": state["steady_peak_bytes"],
@@ -243,6 +243,9 @@ def parse_args(argv=None):
     g.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the preset's)")
     g.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
     g.add_argument("--device", default=None, help="torch device (default: the preset's)")
+    g.add_argument("--min-features", type=int, default=None, metavar="N",
+                   help="the size rule: linears whose layer size, 2*in*out/(in+out), is below N stay BF16 (default: "
+                        "the preset's, adahop.convert.MIN_FEATURES; 3072 is adahop.convert.HOPPER_MIN_FEATURES)")
     g = p.add_argument_group("measurement")
     g.add_argument("--steps", nargs=2, type=int, default=[30, 60], metavar=("P0", "P1"),
                    help="the timed window: steps after P0 up to P1 (default: 30 60)")

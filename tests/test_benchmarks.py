@@ -313,7 +313,7 @@ def test_bench_train_speed_end_to_end(corpus, tmp_path, capsys):
         assert r["window"] == [2, 4] and r["tokens_per_step"] == 64 and r["model_size"] == "tiny"
         assert r["steady_tokens_per_s"] > 0 and r["ms_per_step"] > 0 and r["first_step_s"] > 0
         assert r["peak_memory_bytes"] is r["steady_peak_memory_bytes"] is None  # CUDA's counters only
-        assert r["calibration_micro_batches"] == 1
+        assert r["calibration_micro_batches"] == 1 and r["min_features"] == 0  # the size rule: the default
         assert len(r["losses"]) == 4 and all(math.isfinite(v) for v in r["losses"])
         assert r["env"]["adahop"] and r["env"]["command"].startswith("python benchmarks/bench_train_speed.py")
     # the same model, data and seed: the two bf16 runs train to the same losses
@@ -332,8 +332,10 @@ def test_bench_train_speed_worker_profiles(corpus, tmp_path):
     ts = script("bench_train_speed")
     row_file = tmp_path / "row.json"
     assert ts.main([*SPEED, "--corpus", str(corpus), "--profile-steps", "1", "--worker", "adahop_lv2",
-                    "--calibration-steps", "1", "--calibration-micro-batches", "2", "--row-file", str(row_file)]) == 0
+                    "--calibration-steps", "1", "--calibration-micro-batches", "2", "--min-features", "64",
+                    "--row-file", str(row_file)]) == 0
     row = json.loads(row_file.read_text())
+    assert row["min_features"] == 64
     assert row["recipe"] == "adahop_lv2" and row["calibration_steps"] == 1 and len(row["losses"]) == 5
     assert row["calibration_micro_batches"] == 2
     assert row["profiled"] == "cpu op self time" and row["device_ms_per_step"] > 0
