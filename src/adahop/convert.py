@@ -89,7 +89,8 @@ def _bf16_reason(mod: nn.Module, fqn: str, embedding_weights: set[int], min_feat
     if id(mod.weight) in embedding_weights:
         return "LM head (weight tied to an nn.Embedding)"
     if _below(mod, min_features):
-        size = math.floor(10 * layer_size(mod.in_features, mod.out_features)) / 10  # (never shown as the threshold)
+        # (rounded down: a size just below the threshold never reads as equal to it)
+        size = math.floor(10 * layer_size(mod.in_features, mod.out_features)) / 10
         return (f"size: layer_size({mod.in_features}, {mod.out_features}) = {size:g} < min_features = "
                 f"{min_features}")
     return None
