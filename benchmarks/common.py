@@ -96,6 +96,23 @@ def print_environment(env: dict) -> None:
     print(environment_line(env), flush=True)
 
 
+def pretrained_corpus(p: argparse.ArgumentParser, init: str, corpus_dir: str):
+    """The corpus of a script that reads the pretrained model ``init`` (``--init``: smollm2, a
+    .gguf file or a Hugging Face Llama folder), both checked: a bad one is a one-line error
+    through ``p``."""
+    from adahop.train.data import load_corpus
+    from adahop.train.pretrained import check_init
+
+    try:
+        check_init(init)
+        if init == "scratch":
+            raise ValueError("--init scratch has no pretrained weights: give smollm2, a .gguf file or a Hugging Face "
+                             "Llama folder")
+        return load_corpus(corpus_dir)
+    except (ValueError, OSError) as e:
+        p.error(str(e))
+
+
 def require_cuda(script: str) -> None:
     """Exit with status 2 and one line on stderr when there is no CUDA GPU."""
     if not torch.cuda.is_available():

@@ -34,14 +34,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import environment, print_environment  # noqa: E402
+from common import environment, pretrained_corpus, print_environment  # noqa: E402
 
 import adahop  # noqa: E402
 from adahop.config import RECIPES  # noqa: E402
 from adahop.policy import GEMM_MODES  # noqa: E402
-from adahop.train.data import TokenBatches, load_corpus  # noqa: E402
+from adahop.train.data import TokenBatches  # noqa: E402
 from adahop.train.precision import mxfp4_flop_share  # noqa: E402
-from adahop.train.pretrained import check_init, load_init  # noqa: E402
+from adahop.train.pretrained import load_init  # noqa: E402
 from adahop.train.recipes import numerics  # noqa: E402
 from adahop.train.run import heldout_eval  # noqa: E402
 
@@ -172,14 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    try:
-        check_init(args.init)
-        if args.init == "scratch":
-            raise ValueError("--init scratch has no pretrained weights: give smollm2, a .gguf file or a Hugging Face "
-                             "Llama folder")
-        corpus = load_corpus(args.corpus)
-    except (ValueError, OSError) as e:
-        p.error(str(e))
+    corpus = pretrained_corpus(p, args.init, args.corpus)
     env = environment("pretrained_forward.py", sys.argv[1:] if argv is None else argv)
     print_environment(env)
     out = Path(args.out) if args.out else None

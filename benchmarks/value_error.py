@@ -21,7 +21,6 @@ The corpus must be built with the model's tokenizer (``adahop data --tokenizer s
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
@@ -32,12 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import environment, print_environment  # noqa: E402
+from common import environment, pretrained_corpus, print_environment, script_parser  # noqa: E402
 
 from adahop.formats.mxfp4 import fake_quantize_mxfp4  # noqa: E402
-from adahop.train.data import TokenBatches, load_corpus  # noqa: E402
+from adahop.train.data import TokenBatches  # noqa: E402
 from adahop.train.model import apply_rope, repeat_kv  # noqa: E402
-from adahop.train.pretrained import check_init, load_init  # noqa: E402
+from adahop.train.pretrained import load_init  # noqa: E402
 from adahop.transforms.hadamard import block_hadamard  # noqa: E402
 
 MODES = ("mxfp4", "iht")
@@ -178,8 +177,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--init", default="smollm2", help="smollm2, a .gguf file or a Hugging Face Llama folder")
     p.add_argument("--corpus", required=True, help="a corpus built with the model's tokenizer")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default: %(default)s)")
@@ -193,14 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        check_init(args.init)
-        if args.init == "scratch":
-            raise ValueError("--init scratch has no pretrained weights: give smollm2, a .gguf file or a Hugging Face "
-                             "Llama folder")
-        corpus = load_corpus(args.corpus)
-    except (ValueError, OSError) as e:
-        p.error(str(e))
+    corpus = pretrained_corpus(p, args.init, args.corpus)
     model = load_init(args.init, max_seq_len=args.seq_len)
     if model.tok_embeddings.num_embeddings != corpus.vocab_size:
         p.error(f"the corpus's vocabulary ({corpus.vocab_size}) is not the model's "
