@@ -81,7 +81,8 @@ def test_the_value_projections_forward_runs_the_mode_and_nothing_else_moves(reci
                                            config=adahop.AdaHOPConfig.from_recipe_name("mxfp4", backend="reference"))
     naive.weight = wv.weight
     x = torch.randn(3, 5, wv.in_features, generator=torch.Generator().manual_seed(2))
-    model.eval(), naive.eval()
+    model.eval()
+    naive.eval()
     with torch.no_grad():
         assert torch.equal(wv(x), naive(x))
 
