@@ -147,6 +147,11 @@ VARIANTS: dict[str, Variant] = {
     "lv2_one_weight_fprop_tail": Variant(_ONE_W, "lv2 + one weight, fprop in BF16 for the last 18%", _FPROP_TAIL),
     "measured_fprop_tail": Variant(_recipe("adahop_measured"), "the measured policy, fprop in BF16 for the last 18%",
                                    _FPROP_TAIL),
+    # The longest forward-only BF16 tail that keeps a naive-MXFP4 run >= 90% MXFP4: at 125M the
+    # lm_head leaves 92.3% of the linear FLOPs to convert, and a tail f on one GEMM of three
+    # takes f/3 of that (92.3% * (1 - 0.07 / 3) = 90.2%).
+    "mxfp4_fprop_tail7": Variant(_recipe("mxfp4"), "naive MXFP4, fprop in BF16 for the last 7%",
+                                 (("bf16_phase_start", 0.93), ("bf16_phase_gemms", ("fprop",)))),
     # the first and last blocks' linears in BF16 (TrainConfig.bf16_blocks): on pretrained SmolLM2
     # they carry a quarter of the MXFP4 forward's cost (benchmarks/pretrained_forward.py)
     "lv2_bf16_ends": Variant(_LV2, "lv2, the first and last blocks in BF16", (("bf16_blocks", (1, 1)),)),

@@ -203,3 +203,19 @@ def test_ablation_bf16_ends_variant_keeps_the_first_and_last_blocks_bf16(tmp_pat
     ends.validate()
     ab.check_comparable([{"variant": v, "seed": 2, "settings": ab.comparable_settings(c)}
                          for v, c in (("lv2", lv2), ("lv2_bf16_ends", ends))])
+
+
+def test_ablation_fprop_tail_variant_of_naive_mxfp4(tmp_path):
+    """mxfp4_fprop_tail7 is naive mxfp4 whose forward GEMM runs BF16 from step floor(0.93 * steps),
+    a variant's field: comparable with mxfp4."""
+    import argparse
+
+    ab = load("ablation")
+    args = argparse.Namespace(out=str(tmp_path), corpus=str(tmp_path / "corpus"), preset="cpu", steps=None, lr=None,
+                              compile="auto", cudagraphs=False, drift_measure=False)
+    plain, tail = ab.run_config(args, "mxfp4", 0), ab.run_config(args, "mxfp4_fprop_tail7", 0)
+    assert plain.bf16_phase_start is None and tail.adahop == plain.adahop
+    assert (tail.bf16_phase_start, tuple(tail.bf16_phase_gemms)) == (0.93, ("fprop",))
+    tail.validate()
+    ab.check_comparable([{"variant": v, "seed": 0, "settings": ab.comparable_settings(c)}
+                         for v, c in (("mxfp4", plain), ("mxfp4_fprop_tail7", tail))])
