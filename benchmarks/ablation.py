@@ -100,6 +100,9 @@ VARIANTS: dict[str, Variant] = {
     # are what keeps the measured policy at 88% (the lm_head, in BF16 in every recipe, costs 7.7%).
     "measured_b2_c10": Variant(_recipe("adahop_measured", hp_budget=0.02), "the measured policy, 2% FLOP budget, "
                                "10 calibration steps", calibration_steps=10),
+    # its two changes apart: the shorter calibration alone (the measured policy's 8% budget)
+    "measured_c10": Variant(_recipe("adahop_measured"), "the measured policy, 10 calibration steps",
+                            calibration_steps=10),
     # calibration in IHT + MXFP4 instead of BF16: no BF16 activations kept (the memory peak)
     "lv2_calib_iht": Variant(_recipe("adahop_lv2", calibration_gemms="iht"), "lv2, calibration steps in IHT + MXFP4"),
     # the same BF16 calibration, its steps as 4 micro-batches each (a quarter of the activations)

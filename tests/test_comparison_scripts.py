@@ -174,21 +174,23 @@ def test_ablation_calibration_micro_batches_variant_calibrates_as_lv2(tmp_path):
                          {"variant": "lv2_calib_mb4", "seed": 0, "settings": ab.comparable_settings(mb4)}])
 
 
-def test_ablation_variant_with_its_own_calibration_length(tmp_path):
-    """measured_b2_c10 calibrates for its own 10 steps (not the preset's 30) with a 2% budget, the
-    preset's OE k and seed otherwise, and compares with the other variants (the numerics are the
-    variant's own field)."""
+def test_ablation_variants_with_their_own_calibration_length(tmp_path):
+    """measured_b2_c10 calibrates for its own 10 steps (not the preset's 30) with a 2% budget,
+    measured_c10 for 10 steps with the default 8%, the preset's OE k and seed otherwise; both
+    compare with the other variants (the numerics are the variant's own field)."""
     import argparse
 
     ab = load("ablation")
     args = argparse.Namespace(out=str(tmp_path), corpus=str(tmp_path / "corpus"), preset="cpu", steps=None, lr=None,
                               compile="auto", cudagraphs=False, drift_measure=False)
     measured, short = ab.run_config(args, "measured", 1), ab.run_config(args, "measured_b2_c10", 1)
-    assert (measured.adahop.calibration_steps, short.adahop.calibration_steps) == (30, 10)
-    assert (measured.adahop.hp_budget, short.adahop.hp_budget) == (0.08, 0.02)
+    c10 = ab.run_config(args, "measured_c10", 1)
+    assert [c.adahop.calibration_steps for c in (measured, short, c10)] == [30, 10, 10]
+    assert [c.adahop.hp_budget for c in (measured, short, c10)] == [0.08, 0.02, 0.08]
     assert short.adahop.replace(calibration_steps=30, hp_budget=0.08) == measured.adahop
+    assert c10.adahop.replace(calibration_steps=30) == measured.adahop
     ab.check_comparable([{"variant": v, "seed": 1, "settings": ab.comparable_settings(c)}
-                         for v, c in (("measured", measured), ("measured_b2_c10", short))])
+                         for v, c in (("measured", measured), ("measured_b2_c10", short), ("measured_c10", c10))])
 
 
 def test_ablation_bf16_ends_variant_keeps_the_first_and_last_blocks_bf16(tmp_path):
