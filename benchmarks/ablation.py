@@ -122,6 +122,8 @@ VARIANTS: dict[str, Variant] = {
         "lv2, fprop OE-right, random-sign Hadamard"),
     # rounding and scales
     "lv2_grad_rne": Variant(_settings("adahop_lv2", grad_rne=True), "lv2, gradients rounded to nearest, not SR"),
+    "measured_grad_rne": Variant(_settings("adahop_measured", grad_rne=True),
+                                 "the measured policy, gradients rounded to nearest, not SR"),
     "lv2_rceil": Variant(_settings("adahop_lv2", scale_mode="rceil"), "lv2, scales that never clip (rceil)"),
     "lv2_floor": Variant(_settings("adahop_lv2", scale_mode="floor"), "lv2, the OCP scale (clips up to 1.75x)"),
     "lv2_grad_rne_rceil": Variant(_settings("adahop_lv2", grad_rne=True, scale_mode="rceil"), "lv2, RNE + rceil"),

@@ -221,3 +221,19 @@ def test_ablation_fprop_tail_variant_of_naive_mxfp4(tmp_path):
     tail.validate()
     ab.check_comparable([{"variant": v, "seed": 0, "settings": ab.comparable_settings(c)}
                          for v, c in (("mxfp4", plain), ("mxfp4_fprop_tail7", tail))])
+
+
+def test_ablation_grad_rne_variants_round_only_the_gradient_to_nearest():
+    """lv2_grad_rne and measured_grad_rne: the gradient operand of dgrad and wgrad rounded to
+    nearest instead of stochastically; every other setting as their recipe's."""
+    import dataclasses
+
+    ab = load("ablation")
+    for base, variant in (("lv2", "lv2_grad_rne"), ("measured", "measured_grad_rne")):
+        plain, rne = ab.VARIANTS[base].numerics(), ab.VARIANTS[variant].numerics()
+        assert (plain.dgrad.a_rounding, plain.wgrad.a_rounding) == ("sr", "sr")
+        assert (rne.dgrad.a_rounding, rne.wgrad.a_rounding) == ("rne", "rne")
+        assert rne.fprop == plain.fprop
+        for gemm in ("dgrad", "wgrad"):
+            assert dataclasses.replace(getattr(rne, gemm), a_rounding="sr") == getattr(plain, gemm)
+        assert type(rne.policy_fn) is type(plain.policy_fn)
