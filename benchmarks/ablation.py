@@ -8,7 +8,8 @@ held-out losses with bf16 and naive mxfp4, paired by seed.
     python benchmarks/ablation.py --corpus runs/corpus --out runs/ablation --report
 
 Each (variant, seed) is one training run in ``<out>/<variant>-s<seed>``; a finished one (its
-``ablation.json`` written) is not run again. ``--jobs N`` runs N of them at once, each in its own
+``ablation.json`` written) is not run again. ``--runs lv2:1,2 measured_c10:0`` names the pairs
+to make when they are not every ``--variants`` x ``--seeds`` pair. ``--jobs N`` runs N of them at once, each in its own
 process (its output in ``<out>/logs/``): on a GPU several small runs share it better than one
 does. On a GPU machine use a GPU preset (``--preset h200_125m``, ``--threads 0``).
 
@@ -379,7 +380,7 @@ def run_jobs(argv: list[str], pending: list[tuple[str, int]], jobs: int, out: Pa
     Returns the runs that failed."""
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    rest = _strip(argv, ("--variants", "--seeds", "--jobs"))
+    rest = _strip(argv, ("--variants", "--seeds", "--runs", "--jobs"))
     queue, running, failed = list(pending), [], []
     while queue or running:
         while queue and len(running) < jobs:
@@ -415,6 +416,24 @@ def _strip(argv: list[str], options: tuple[str, ...]) -> list[str]:
     return out
 
 
+def parse_runs(parser: argparse.ArgumentParser, items: list[str]) -> list[tuple[str, int]]:
+    """``--runs`` items ``VARIANT:SEED[,SEED...]`` as (variant, seed) pairs, in order, each once."""
+    runs = []
+    for item in items:
+        name, sep, seeds = item.partition(":")
+        if name not in VARIANTS:
+            parser.error(f"--runs {item!r}: unknown variant {name!r} (see --variants for the choices)")
+        try:
+            values = [int(v) for v in seeds.split(",")] if sep else []
+        except ValueError:
+            values = []
+        if not values or any(v < 0 for v in values):
+            parser.error(f"--runs {item!r}: write VARIANT:SEEDS, seeds as integers >= 0 separated by commas "
+                         "(e.g. lv2:0,1)")
+        runs += [(name, v) for v in values if (name, v) not in runs]
+    return runs
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -429,6 +448,9 @@ def main(argv=None) -> int:
                    help="variants to train (default: bf16 mxfp4 lv2)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0],
                    help="seeds (initialisation, data order and SR draws); gaps are paired by seed (default: 0)")
+    p.add_argument("--runs", nargs="+", default=None, metavar="VARIANT:SEEDS",
+                   help="the runs to make, in place of every --variants x --seeds pair: e.g. "
+                        "lv2_bf16_fprop_tail:1,2 measured_c10:0")
     p.add_argument("--jobs", type=int, default=1, help="runs at once, one process each (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads per run, 0 for torch's default (default: 1, fastest for small CPU runs)")
@@ -443,6 +465,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
+    runs = parse_runs(p, args.runs) if args.runs else [(n, s) for s in args.seeds for n in args.variants]
     env = environment("ablation.py", argv)
     print_environment(env)
     out = Path(args.out)
@@ -451,8 +474,7 @@ def main(argv=None) -> int:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        pending = [(name, seed) for seed in args.seeds for name in args.variants
-                   if not (out / f"{name}-s{seed}" / "ablation.json").is_file()]
+        pending = [(name, seed) for name, seed in runs if not (out / f"{name}-s{seed}" / "ablation.json").is_file()]
         if args.jobs > 1 and len(pending) > 1:
             failed = run_jobs(argv, pending, args.jobs, out)
             if failed:

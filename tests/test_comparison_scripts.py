@@ -74,7 +74,8 @@ def test_ablation_pairs_gaps_by_seed(corpus, tmp_path, capsys):
     common = ["--corpus", str(corpus), "--out", str(out), "--preset", "debug", "--steps", "3"]
     assert ab.main([*common, "--variants", "bf16", "lv2_fprop_bf16", "--seeds", "0", "1", "--jobs", "2"]) == 0
     assert (out / "logs" / "bf16-s1.log").is_file()  # each run in its own process
-    assert ab.main([*common, "--variants", "mxfp4", "--seeds", "0"]) == 0
+    # --runs: the listed (variant, seed) pairs only; the finished ones are not run again
+    assert ab.main([*common, "--runs", "mxfp4:0", "bf16:0,1"]) == 0
     runs = {(r["variant"], r["seed"]): r for r in (json.loads(p.read_text()) for p in out.glob("*/ablation.json"))}
     assert len(runs) == 5
     modes = json.loads((out / "lv2_fprop_bf16-s0" / "modes.json").read_text())
@@ -237,3 +238,28 @@ def test_ablation_grad_rne_variants_round_only_the_gradient_to_nearest():
         for gemm in ("dgrad", "wgrad"):
             assert dataclasses.replace(getattr(rne, gemm), a_rounding="sr") == getattr(plain, gemm)
         assert type(rne.policy_fn) is type(plain.policy_fn)
+
+
+@pytest.mark.parametrize("item, message", [
+    ("nope:0", "unknown variant 'nope'"),
+    ("lv2", "write VARIANT:SEEDS"),
+    ("lv2:a", "write VARIANT:SEEDS"),
+    ("lv2:-1", "write VARIANT:SEEDS"),
+    ("lv2:", "write VARIANT:SEEDS"),
+])
+def test_ablation_runs_option_refuses_bad_items(item, message, capsys):
+    ab = load("ablation")
+    with pytest.raises(SystemExit):
+        ab.main(["--runs", item, "--report"])
+    assert message in capsys.readouterr().err
+
+
+def test_ablation_runs_option_keeps_order_and_drops_repeats():
+    import argparse
+
+    ab = load("ablation")
+    p = argparse.ArgumentParser()
+    assert ab.parse_runs(p, ["lv2:1,2", "measured_c10:0", "lv2:2"]) == [("lv2", 1), ("lv2", 2), ("measured_c10", 0)]
+    # the runs made in parallel get their own --variants and --seeds: --runs is dropped from theirs
+    argv = ["--out", "o", "--runs", "lv2:1,2", "measured_c10:0", "--jobs", "2", "--cudagraphs"]
+    assert ab._strip(argv, ("--variants", "--seeds", "--runs", "--jobs")) == ["--out", "o", "--cudagraphs"]
