@@ -44,6 +44,7 @@ from adahop.train.precision import mxfp4_flop_share  # noqa: E402
 from adahop.train.pretrained import load_init  # noqa: E402
 from adahop.train.recipes import numerics  # noqa: E402
 from adahop.train.run import heldout_eval  # noqa: E402
+from adahop.transforms.hadamard import HADAMARD_SIZES  # noqa: E402
 
 
 def layer_filter(model, patterns: list[str]):
@@ -103,6 +104,8 @@ def measure(args, recipe: str, corpus, device: torch.device) -> dict:
     if recipe != "bf16":
         cfg = numerics(recipe, calibration_steps=args.calibration_steps, oe_k=args.oe_k).replace(
             backend=args.backend, seed=args.seed)
+        if args.hadamard_size is not None:
+            cfg = cfg.with_gemm_settings(hadamard_size=args.hadamard_size)
         adahop.convert_to_adahop_training(model, config=cfg, module_filter_fn=layer_filter(model, args.layers))
         if not adahop.adahop_layers(model):
             names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][:3]
@@ -118,6 +121,8 @@ def measure(args, recipe: str, corpus, device: torch.device) -> dict:
     modes = {name: layer.modes for name, layer in adahop.adahop_layers(model).items()}
     share = mxfp4_flop_share(model, args.seq_len, gemms=("fprop",))  # the share of the forward's FLOPs
     label = recipe + "".join(f" ({p} fprop {m})" for p, m in args.set_fprop if recipe != "bf16")
+    if args.hadamard_size is not None and recipe != "bf16":
+        label += f" (Hadamard {args.hadamard_size})"
     return {"recipe": recipe, "label": label, "heldout_loss": result["loss"], "tokens": result["tokens"],
             "fprop_mxfp4_share": share, "sources": {s: v["loss"] for s, v in result["sources"].items()},
             "seconds": time.perf_counter() - start, "modes": modes}
@@ -148,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set-fprop", nargs="+", default=[], metavar="PATTERN=MODE",
                    help="after the calibration, run the forward GEMM of the converted linears whose name matches "
                         f"PATTERN (fnmatch) in MODE, one of {', '.join(GEMM_MODES)} (e.g. '*.wv=mxfp4')")
+    p.add_argument("--hadamard-size", type=int, default=None, choices=HADAMARD_SIZES,
+                   help="the Hadamard size of every GEMM of the recipes (default: each recipe's, 32)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=4, help="windows per batch (default: %(default)s)")
     p.add_argument("--eval-batches", type=int, default=2, help="batches of each source's validation shard")

@@ -558,6 +558,18 @@ def test_pretrained_forward_benchmark(corpus, tmp_path, capsys):
     assert {m["dgrad"] for n, m in mx["modes"].items()} == {"mxfp4"}  # the other GEMMs as they were
     wv = "layers.0.attention.wv"
     assert rows["adahop_lv2"]["modes"][wv]["dgrad"] == lv2["modes"][wv]["dgrad"]
+    # --hadamard-size: every GEMM's transform of that size (the IHT forward changes, naive MXFP4's does not)
+    common = ["--init", str(folder), "--corpus", str(corpus), "--seq-len", "16", "--batch-size", "2",
+              "--eval-batches", "1", "--backend", "reference", "--device", "cpu", "--out", str(out)]
+    assert bench.main([*common, "--recipes", "mxfp4_iht", "mxfp4"]) == 0
+    assert bench.main([*common, "--recipes", "mxfp4_iht", "mxfp4", "--hadamard-size", "16"]) == 0
+    iht32, mx32, iht16, mx16 = (json.loads(line) for line in out.read_text().splitlines()[-4:])
+    assert (iht16["label"], mx16["label"]) == ("mxfp4_iht (Hadamard 16)", "mxfp4 (Hadamard 16)")
+    assert iht16["settings"]["hadamard_size"] == 16 and iht32["settings"]["hadamard_size"] is None
+    assert iht16["heldout_loss"] != iht32["heldout_loss"] and mx16["heldout_loss"] == mx32["heldout_loss"]
+    with pytest.raises(SystemExit) as e:
+        bench.main([*common, "--hadamard-size", "48"])
+    assert e.value.code == 2
     for bad in (["--set-fprop", "*.wv=fp8"], ["--set-fprop", "mxfp4"]):
         with pytest.raises(SystemExit) as e:
             bench.main(["--init", str(folder), "--corpus", str(corpus), *bad])
