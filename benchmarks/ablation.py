@@ -129,6 +129,10 @@ VARIANTS: dict[str, Variant] = {
     "lv2_floor": Variant(_settings("adahop_lv2", scale_mode="floor"), "lv2, the OCP scale (clips up to 1.75x)"),
     "lv2_grad_rne_rceil": Variant(_settings("adahop_lv2", grad_rne=True, scale_mode="rceil"), "lv2, RNE + rceil"),
     "lv2_h128": Variant(_settings("adahop_lv2", hadamard_size=128), "lv2, a 128-wide Hadamard in every GEMM"),
+    # a 16-wide Hadamard: two groups per MX block; it lowered pretrained SmolLM2's forward cost on
+    # every source before training (benchmarks/pretrained_forward.py --hadamard-size 16)
+    "lv2_h16": Variant(_settings("adahop_lv2", hadamard_size=16), "lv2, a 16-wide Hadamard in every GEMM"),
+    "mxfp4_iht_h16": Variant(_settings("mxfp4_iht", hadamard_size=16), "IHT on every GEMM, 16 wide"),
     "lv2_signs": Variant(_settings("adahop_lv2", random_signs=True), "lv2, random-sign Hadamard (Tseng et al.)"),
     "lv2_signs_grad_rne": Variant(_settings("adahop_lv2", grad_rne=True, random_signs=True), "lv2, signs + RNE"),
     # one weight for the forward and dgrad (AdaHOPConfig.dgrad_weight, docs/method.md)

@@ -263,3 +263,15 @@ def test_ablation_runs_option_keeps_order_and_drops_repeats():
     # the runs made in parallel get their own --variants and --seeds: --runs is dropped from theirs
     argv = ["--out", "o", "--runs", "lv2:1,2", "measured_c10:0", "--jobs", "2", "--cudagraphs"]
     assert ab._strip(argv, ("--variants", "--seeds", "--runs", "--jobs")) == ["--out", "o", "--cudagraphs"]
+
+
+def test_ablation_hadamard_size_variants_change_only_the_size():
+    """lv2_h16 / mxfp4_iht_h16: every GEMM's Hadamard 16 wide, all else as the recipe's."""
+    import dataclasses
+
+    ab = load("ablation")
+    for base, variant in (("lv2", "lv2_h16"), ("mxfp4_iht", "mxfp4_iht_h16")):
+        plain, h16 = ab.VARIANTS[base].numerics(), ab.VARIANTS[variant].numerics()
+        for gemm in ("fprop", "dgrad", "wgrad"):
+            assert getattr(plain, gemm).hadamard_size == 32 and getattr(h16, gemm).hadamard_size == 16
+            assert dataclasses.replace(getattr(h16, gemm), hadamard_size=32) == getattr(plain, gemm)
