@@ -38,6 +38,7 @@ from common import environment, pretrained_corpus, print_environment  # noqa: E4
 
 import adahop  # noqa: E402
 from adahop.config import RECIPES  # noqa: E402
+from adahop.formats.mxfp4 import SCALE_MODES  # noqa: E402
 from adahop.policy import GEMM_MODES  # noqa: E402
 from adahop.train.data import TokenBatches  # noqa: E402
 from adahop.train.precision import mxfp4_flop_share  # noqa: E402
@@ -94,6 +95,15 @@ def set_fprop(model, rules: list[tuple[str, str]]) -> None:
             layer.set_modes({**layer.modes, "fprop": mode}, oe_ks=oe_ks or None)
 
 
+def gemm_settings(args) -> dict:
+    """The GemmConfig fields the command line sets in every GEMM of the recipes."""
+    out = {"hadamard_size": args.hadamard_size, "scale_mode": args.scale_mode}
+    out = {k: v for k, v in out.items() if v is not None}
+    if args.random_signs:
+        out["random_signs"] = True
+    return out
+
+
 def measure(args, recipe: str, corpus, device: torch.device) -> dict:
     model = load_init(args.init, max_seq_len=args.seq_len).to(device)
     vocab = model.tok_embeddings.num_embeddings
@@ -104,8 +114,7 @@ def measure(args, recipe: str, corpus, device: torch.device) -> dict:
     if recipe != "bf16":
         cfg = numerics(recipe, calibration_steps=args.calibration_steps, oe_k=args.oe_k).replace(
             backend=args.backend, seed=args.seed)
-        if args.hadamard_size is not None:
-            cfg = cfg.with_gemm_settings(hadamard_size=args.hadamard_size)
+        cfg = cfg.with_gemm_settings(**gemm_settings(args))
         adahop.convert_to_adahop_training(model, config=cfg, module_filter_fn=layer_filter(model, args.layers))
         if not adahop.adahop_layers(model):
             names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][:3]
@@ -121,8 +130,8 @@ def measure(args, recipe: str, corpus, device: torch.device) -> dict:
     modes = {name: layer.modes for name, layer in adahop.adahop_layers(model).items()}
     share = mxfp4_flop_share(model, args.seq_len, gemms=("fprop",))  # the share of the forward's FLOPs
     label = recipe + "".join(f" ({p} fprop {m})" for p, m in args.set_fprop if recipe != "bf16")
-    if args.hadamard_size is not None and recipe != "bf16":
-        label += f" (Hadamard {args.hadamard_size})"
+    if gemm_settings(args) and recipe != "bf16":
+        label += " (" + ", ".join(f"{k} {v}" for k, v in gemm_settings(args).items()) + ")"
     return {"recipe": recipe, "label": label, "heldout_loss": result["loss"], "tokens": result["tokens"],
             "fprop_mxfp4_share": share, "sources": {s: v["loss"] for s, v in result["sources"].items()},
             "seconds": time.perf_counter() - start, "modes": modes}
@@ -155,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                         f"PATTERN (fnmatch) in MODE, one of {', '.join(GEMM_MODES)} (e.g. '*.wv=mxfp4')")
     p.add_argument("--hadamard-size", type=int, default=None, choices=HADAMARD_SIZES,
                    help="the Hadamard size of every GEMM of the recipes (default: each recipe's, 32)")
+    p.add_argument("--random-signs", action="store_true",
+                   help="random signs before every GEMM's Hadamard (default: each recipe's, none but tseng's)")
+    p.add_argument("--scale-mode", default=None, choices=SCALE_MODES,
+                   help="the MXFP4 scale mode of every GEMM (default: each recipe's, even but tseng's)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=4, help="windows per batch (default: %(default)s)")
     p.add_argument("--eval-batches", type=int, default=2, help="batches of each source's validation shard")

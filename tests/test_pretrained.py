@@ -564,12 +564,17 @@ def test_pretrained_forward_benchmark(corpus, tmp_path, capsys):
     assert bench.main([*common, "--recipes", "mxfp4_iht", "mxfp4"]) == 0
     assert bench.main([*common, "--recipes", "mxfp4_iht", "mxfp4", "--hadamard-size", "16"]) == 0
     iht32, mx32, iht16, mx16 = (json.loads(line) for line in out.read_text().splitlines()[-4:])
-    assert (iht16["label"], mx16["label"]) == ("mxfp4_iht (Hadamard 16)", "mxfp4 (Hadamard 16)")
+    assert (iht16["label"], mx16["label"]) == ("mxfp4_iht (hadamard_size 16)", "mxfp4 (hadamard_size 16)")
     assert iht16["settings"]["hadamard_size"] == 16 and iht32["settings"]["hadamard_size"] is None
     assert iht16["heldout_loss"] != iht32["heldout_loss"] and mx16["heldout_loss"] == mx32["heldout_loss"]
-    with pytest.raises(SystemExit) as e:
-        bench.main([*common, "--hadamard-size", "48"])
-    assert e.value.code == 2
+    assert bench.main([*common, "--recipes", "mxfp4_iht", "--random-signs", "--scale-mode", "floor"]) == 0
+    signed = json.loads(out.read_text().splitlines()[-1])
+    assert signed["label"] == "mxfp4_iht (scale_mode floor, random_signs True)"
+    assert signed["heldout_loss"] != iht32["heldout_loss"]
+    for bad in (["--hadamard-size", "48"], ["--scale-mode", "round"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main([*common, *bad])
+        assert e.value.code == 2
     for bad in (["--set-fprop", "*.wv=fp8"], ["--set-fprop", "mxfp4"]):
         with pytest.raises(SystemExit) as e:
             bench.main(["--init", str(folder), "--corpus", str(corpus), *bad])
