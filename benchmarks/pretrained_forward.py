@@ -12,7 +12,8 @@ held-out loss over the first ``--eval-batches`` batches of each source's validat
 (token-weighted, as the trainer reports it; BF16 autocast on a GPU). ``--layers`` converts only
 the linears it names (the rest stay BF16), to find which layers' forward the loss pays for;
 ``--set-fprop PATTERN=MODE`` runs the forward GEMM of the linears it names in another mode after
-the calibration, to find what a policy's choice there costs.
+the calibration, to find what a policy's choice there costs; ``--hadamard-size``,
+``--random-signs`` and ``--scale-mode`` change that setting in every GEMM of every recipe.
 
     python benchmarks/pretrained_forward.py --init smollm2 --corpus runs/corpus_smollm2 \\
         --recipes bf16 mxfp4 mxfp4_iht adahop_lv2 adahop_measured --out runs/pretrained_forward.jsonl
