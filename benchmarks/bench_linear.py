@@ -65,6 +65,7 @@ from common import (
 
 import adahop
 from adahop.convert import layer_size
+from adahop.transforms.hadamard import HADAMARD_SIZES
 
 SECTIONS = ("linear", "torchao", "profile", "graph", "memory", "sizes")
 DEFAULT_SECTIONS = ("linear", "memory")
@@ -94,13 +95,27 @@ SIZE_PAIRS, SIZE_REP = 2, 50
 DEFAULT_PAIRS, DEFAULT_REP = 3, 100
 
 
+def parse_recipe(recipe: str) -> tuple[str, int | None]:
+    """``NAME`` or ``NAME@hN`` (every GEMM's Hadamard N wide, e.g. ``adahop_lv2@h16``): the recipe
+    and the Hadamard size (None: the recipe's). ValueError naming what is allowed."""
+    name, sep, size = recipe.partition("@h")
+    if name not in adahop.RECIPES or name == "bf16" or (sep and size not in map(str, HADAMARD_SIZES)):
+        raise ValueError(f"a recipe is one of {','.join(r for r in adahop.RECIPES if r != 'bf16')}, optionally "
+                         f"with @hN for a Hadamard N wide (N of {', '.join(map(str, HADAMARD_SIZES))}); "
+                         f"got {recipe!r}")
+    return name, int(size) if sep else None
+
+
 def make_layer(recipe, N, K, backend, modes=None):
     """BF16 ``nn.Linear`` ("bf16_nn") or an AdaHOPLinear of ``recipe`` on ``backend``, no bias,
     frozen to ``modes`` (default for an adaptive recipe: ``ADAHOP_MODES``)."""
     lin = torch.nn.Linear(K, N, bias=False, device=common.DEVICE)
     if recipe == "bf16_nn":
         return lin
-    cfg = adahop.AdaHOPConfig.from_recipe_name(recipe, backend=backend)
+    name, hadamard_size = parse_recipe(recipe)
+    cfg = adahop.AdaHOPConfig.from_recipe_name(name, backend=backend)
+    if hadamard_size is not None:
+        cfg = cfg.with_gemm_settings(hadamard_size=hadamard_size)
     layer = adahop.AdaHOPLinear.from_float(lin, config=cfg, name="bench")
     if modes is not None:
         layer.set_modes(modes)
@@ -420,7 +435,8 @@ def parse_args(argv=None):
                    help=f"comma-separated sections to run, in order, of {','.join(SECTIONS)} "
                         "(default: %(default)s)")
     p.add_argument("--recipes", default=",".join(DEFAULT_RECIPES),
-                   help="comma-separated AdaHOP recipes for linear, torchao and graph (default: %(default)s)")
+                   help="comma-separated AdaHOP recipes for linear, torchao and graph, each optionally @hN: "
+                        "every GEMM's Hadamard N wide (e.g. adahop_lv2@h16) (default: %(default)s)")
     p.add_argument("--shapes", default="all",
                    help=f"layers (N,K) for linear and graph (and profile, when given): {SHAPES_HELP}")
     p.add_argument("--pairs", type=int, default=None,
@@ -448,10 +464,13 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.shapes_given = args.shapes
     args.recipes = [r for r in args.recipes.split(",") if r]
-    unknown = [r for r in args.recipes if r not in adahop.RECIPES or r == "bf16"]
-    if unknown or not args.recipes:
-        p.error(f"--recipes takes AdaHOP recipes of {','.join(r for r in adahop.RECIPES if r != 'bf16')}, "
-                f"got {unknown or args.recipes}")
+    if not args.recipes:
+        p.error("--recipes takes at least one AdaHOP recipe")
+    for r in args.recipes:
+        try:
+            parse_recipe(r)
+        except ValueError as e:
+            p.error(f"--recipes takes comma-separated recipes: {e}")
     if (args.pairs is not None and args.pairs < 1) or (args.rep is not None and args.rep < 1):
         p.error("--pairs and --rep must be >= 1")
     try:

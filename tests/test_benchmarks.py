@@ -105,6 +105,8 @@ def test_gpu_scripts_refuse_without_cuda(name, tmp_path, capsys):
 def test_bad_arguments_are_refused_in_one_line(capsys):
     for name, argv, says in [("bench_linear", ["--shapes", "14336x4096"], "--shapes takes"),
                              ("bench_linear", ["--recipes", "adahop_lv3"], "--recipes takes"),
+                             ("bench_linear", ["--recipes", "adahop_lv2@h48"], "--recipes takes"),
+                             ("bench_linear", ["--recipes", "bf16@h16"], "--recipes takes"),
                              ("bench_kernels", ["--sections", "quant,gemm"], "--sections takes"),
                              ("bench_train_speed", ["--steps", "30", "20"], "1 <= P0 < P1"),
                              ("bench_train_speed", ["--calibration-steps", "30"], "after the calibration")]:
@@ -174,6 +176,16 @@ def test_bench_linear_sections_on_cpu(on_cpu, tmp_path, monkeypatch):
     assert set(saved) == {"bf16_nn", *RECIPES}
     # BF16 keeps x and the bf16 weight for the backward, naive mxfp4 their packed MXFP4 (17/32 byte per value)
     assert saved["bf16"] == saved["bf16_nn"] and saved["mxfp4"] < saved["bf16_nn"] / 3
+
+
+def test_bench_linear_recipe_with_a_hadamard_size(on_cpu):
+    """NAME@hN: the recipe with every GEMM's Hadamard N wide, timed beside the plain recipe."""
+    bl = script("bench_linear")
+    assert bl.parse_recipe("adahop_lv2") == ("adahop_lv2", None)
+    assert bl.parse_recipe("mxfp4_iht@h16") == ("mxfp4_iht", 16)
+    layer = bl.make_layer("mxfp4_iht@h16", 96, 64, "hopper_fp8")
+    assert {layer.config.gemm(g).hadamard_size for g in ("fprop", "dgrad", "wgrad")} == {16}
+    assert bl.make_layer("mxfp4_iht", 96, 64, "hopper_fp8").config.fprop.hadamard_size == 32
 
 
 @needs_interpreter
