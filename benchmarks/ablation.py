@@ -9,9 +9,9 @@ held-out losses with bf16 and naive mxfp4, paired by seed.
 
 Each (variant, seed) is one training run in ``<out>/<variant>-s<seed>``; a finished one (its
 ``ablation.json`` written) is not run again. ``--runs lv2:1,2 measured_c10:0`` names the pairs
-to make when they are not every ``--variants`` x ``--seeds`` pair. ``--jobs N`` runs N of them at once, each in its own
-process (its output in ``<out>/logs/``): on a GPU several small runs share it better than one
-does. On a GPU machine use a GPU preset (``--preset h200_125m``, ``--threads 0``).
+to make when they are not every ``--variants`` x ``--seeds`` pair. ``--jobs N`` runs N of them at
+once, each in its own process (its output in ``<out>/logs/``): on a GPU several small runs share
+it better than one does. On a GPU machine use a GPU preset (``--preset h200_125m``, ``--threads 0``).
 
 The report (``ablation.md``, also ``--report``) pairs every gap by seed (a seed fixes the
 initialisation and the data order, which move the loss far more than the numerics do): gap =
@@ -130,7 +130,8 @@ VARIANTS: dict[str, Variant] = {
     "lv2_grad_rne_rceil": Variant(_settings("adahop_lv2", grad_rne=True, scale_mode="rceil"), "lv2, RNE + rceil"),
     "lv2_h128": Variant(_settings("adahop_lv2", hadamard_size=128), "lv2, a 128-wide Hadamard in every GEMM"),
     # a 16-wide Hadamard: two groups per MX block; it lowered pretrained SmolLM2's forward cost on
-    # every source before training (benchmarks/pretrained_forward.py --hadamard-size 16)
+    # every source before training, by less than the draw of random signs moves that cost
+    # (benchmarks/pretrained_forward.py --hadamard-size 16; docs/results.md, 'The outlier study')
     "lv2_h16": Variant(_settings("adahop_lv2", hadamard_size=16), "lv2, a 16-wide Hadamard in every GEMM"),
     "mxfp4_iht_h16": Variant(_settings("mxfp4_iht", hadamard_size=16), "IHT on every GEMM, 16 wide"),
     "lv2_signs": Variant(_settings("adahop_lv2", random_signs=True), "lv2, random-sign Hadamard (Tseng et al.)"),
@@ -469,6 +470,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.runs and any(a.split("=")[0] in ("--variants", "--seeds") for a in argv):
+        p.error("--runs names the runs in place of --variants and --seeds: give one or the other")
     runs = parse_runs(p, args.runs) if args.runs else [(n, s) for s in args.seeds for n in args.variants]
     env = environment("ablation.py", argv)
     print_environment(env)

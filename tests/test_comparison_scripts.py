@@ -246,11 +246,12 @@ def test_ablation_grad_rne_variants_round_only_the_gradient_to_nearest():
     ("lv2:a", "write VARIANT:SEEDS"),
     ("lv2:-1", "write VARIANT:SEEDS"),
     ("lv2:", "write VARIANT:SEEDS"),
+    ("lv2:0 --seeds 1", "give one or the other"),
 ])
 def test_ablation_runs_option_refuses_bad_items(item, message, capsys):
     ab = load("ablation")
     with pytest.raises(SystemExit):
-        ab.main(["--runs", item, "--report"])
+        ab.main(["--runs", *item.split(), "--report"])
     assert message in capsys.readouterr().err
 
 
