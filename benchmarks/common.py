@@ -113,6 +113,19 @@ def pretrained_corpus(p: argparse.ArgumentParser, init: str, corpus_dir: str):
         p.error(str(e))
 
 
+def load_pretrained(p: argparse.ArgumentParser, init: str, corpus, max_seq_len: int):
+    """The pretrained model ``init`` names (float32, on the CPU), whose vocabulary must be the
+    corpus's: a mismatch is a one-line error through ``p``."""
+    from adahop.train.pretrained import load_init
+
+    model = load_init(init, max_seq_len=max_seq_len)
+    vocab = model.tok_embeddings.num_embeddings
+    if vocab != corpus.vocab_size:
+        p.error(f"the corpus's vocabulary ({corpus.vocab_size}) is not the model's ({vocab}): build the corpus with "
+                "the model's tokenizer (adahop data --tokenizer ...)")
+    return model
+
+
 def require_cuda(script: str) -> None:
     """Exit with status 2 and one line on stderr when there is no CUDA GPU."""
     if not torch.cuda.is_available():

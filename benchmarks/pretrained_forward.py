@@ -24,6 +24,7 @@ The corpus must be built with the model's tokenizer (``adahop data --tokenizer s
 from __future__ import annotations
 
 import argparse
+import copy
 import fnmatch
 import json
 import math
@@ -35,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import environment, pretrained_corpus, print_environment  # noqa: E402
+from common import environment, load_pretrained, pretrained_corpus, print_environment  # noqa: E402
 
 import adahop  # noqa: E402
 from adahop.config import RECIPES  # noqa: E402
@@ -43,7 +44,6 @@ from adahop.formats.mxfp4 import SCALE_MODES  # noqa: E402
 from adahop.policy import GEMM_MODES  # noqa: E402
 from adahop.train.data import TokenBatches  # noqa: E402
 from adahop.train.precision import mxfp4_flop_share  # noqa: E402
-from adahop.train.pretrained import load_init  # noqa: E402
 from adahop.train.recipes import numerics  # noqa: E402
 from adahop.train.run import heldout_eval  # noqa: E402
 from adahop.transforms.hadamard import HADAMARD_SIZES  # noqa: E402
@@ -105,13 +105,11 @@ def gemm_settings(args) -> dict:
     return out
 
 
-def measure(args, recipe: str, corpus, device: torch.device) -> dict:
-    model = load_init(args.init, max_seq_len=args.seq_len).to(device)
-    vocab = model.tok_embeddings.num_embeddings
-    if vocab != corpus.vocab_size:
-        raise SystemExit(f"the corpus's vocabulary ({corpus.vocab_size}) is not the model's ({vocab}): "
-                         "build the corpus with the model's tokenizer (adahop data --tokenizer ...)")
+def measure(args, recipe: str, pretrained, corpus, device: torch.device) -> dict:
+    """Recipe ``recipe`` on a fresh copy of the ``pretrained`` model (the conversion and the
+    calibration change the copy only)."""
     start = time.perf_counter()
+    model = copy.deepcopy(pretrained).to(device)
     if recipe != "bf16":
         cfg = numerics(recipe, calibration_steps=args.calibration_steps, oe_k=args.oe_k).replace(
             backend=args.backend, seed=args.seed)
@@ -194,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     corpus = pretrained_corpus(p, args.init, args.corpus)
+    pretrained = load_pretrained(p, args.init, corpus, args.seq_len)
     env = environment("pretrained_forward.py", sys.argv[1:] if argv is None else argv)
     print_environment(env)
     out = Path(args.out) if args.out else None
@@ -201,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for recipe in args.recipes:
-        row = measure(args, recipe, corpus, device)
+        row = measure(args, recipe, pretrained, corpus, device)
         rows.append(row)
         print(f"[{row['label']}] held-out {row['heldout_loss']:.4f} ({row['seconds']:.0f} s)", flush=True)
         if out:

@@ -31,12 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import environment, pretrained_corpus, print_environment, script_parser  # noqa: E402
+from common import environment, load_pretrained, pretrained_corpus, print_environment, script_parser  # noqa: E402
 
 from adahop.formats.mxfp4 import fake_quantize_mxfp4  # noqa: E402
 from adahop.train.data import TokenBatches  # noqa: E402
 from adahop.train.model import apply_rope, repeat_kv  # noqa: E402
-from adahop.train.pretrained import load_init  # noqa: E402
 from adahop.transforms.hadamard import block_hadamard  # noqa: E402
 
 MODES = ("mxfp4", "iht")
@@ -149,6 +148,7 @@ def measure(model, batches: list[torch.Tensor]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
+    """The rows as a markdown table, with their mean as the last row."""
     lines = ["| block | V SQNR mxfp4 / iht (dB) | attention output mxfp4 / iht | weight error only, output | "
              "activation error only, output | weight error common to all tokens, mxfp4 / iht | top-4 channels' "
              "share of X's energy | their mean \\|W\\| over all | attention on the first token |",
@@ -157,22 +157,19 @@ def table(rows: list[dict]) -> str:
     def pair(r, part, key):
         return f"{r['mxfp4'][part][key]:.2f} / {r['iht'][part][key]:.2f}"
 
-    for r in rows:
+    def mean(values):
+        return sum(values) / len(rows)
+
+    mean_row = {"block": "mean", **{k: mean(r[k] for r in rows) for k in (
+        "top_energy_share", "top_weight_ratio", "first_token_attention")}}
+    for m in MODES:
+        mean_row[m] = {p: {k: mean(r[m][p][k] for r in rows) for k in ("v_db", "out_db")} for p in PARTS}
+        mean_row[m]["common_share"] = mean(r[m]["common_share"] for r in rows)
+    for r in [*rows, mean_row]:
         lines.append(f"| {r['block']} | {pair(r, 'both', 'v_db')} | {pair(r, 'both', 'out_db')} | "
                      f"{pair(r, 'weight', 'out_db')} | {pair(r, 'activation', 'out_db')} | "
                      f"{r['mxfp4']['common_share']:.2f} / {r['iht']['common_share']:.2f} | "
                      f"{r['top_energy_share']:.2f} | {r['top_weight_ratio']:.2f} | {r['first_token_attention']:.3f} |")
-    mean = {m: {p: {k: sum(r[m][p][k] for r in rows) / len(rows) for k in ("v_db", "out_db")} for p in PARTS}
-            for m in MODES}
-    for m in MODES:
-        mean[m]["common_share"] = sum(r[m]["common_share"] for r in rows) / len(rows)
-    mean_row = {"block": "mean", **mean, **{k: sum(r[k] for r in rows) / len(rows) for k in (
-        "top_energy_share", "top_weight_ratio", "first_token_attention")}}
-    lines.append(f"| mean | {pair(mean_row, 'both', 'v_db')} | {pair(mean_row, 'both', 'out_db')} | "
-                 f"{pair(mean_row, 'weight', 'out_db')} | {pair(mean_row, 'activation', 'out_db')} | "
-                 f"{mean['mxfp4']['common_share']:.2f} / {mean['iht']['common_share']:.2f} | "
-                 f"{mean_row['top_energy_share']:.2f} | {mean_row['top_weight_ratio']:.2f} | "
-                 f"{mean_row['first_token_attention']:.3f} |")
     return "\n".join(lines)
 
 
@@ -192,10 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     corpus = pretrained_corpus(p, args.init, args.corpus)
-    model = load_init(args.init, max_seq_len=args.seq_len)
-    if model.tok_embeddings.num_embeddings != corpus.vocab_size:
-        p.error(f"the corpus's vocabulary ({corpus.vocab_size}) is not the model's "
-                f"({model.tok_embeddings.num_embeddings}): build the corpus with the model's tokenizer")
+    model = load_pretrained(p, args.init, corpus, args.seq_len)
     env = environment("value_error.py", sys.argv[1:] if argv is None else argv)
     print_environment(env)
     batches = [x for s in corpus.sources for x, _ in itertools.islice(
