@@ -22,6 +22,8 @@ against both BF16 runs. Per run:
   recorded, and the allocator counts none of it once the peak is reset, so it would read as the
   parameters and optimizer state alone);
 - the training loss of every step;
+- with ``--share-input both``, each recipe twice: the layers that read one activation quantizing
+  it once (the default), then each its own (``AdaHOPConfig.share_input``);
 - with ``--profile-steps N``: device time per step over N steps after P1 (CUDA kernels from
   ``torch.profiler``; on the CPU, self CPU time per op), and the top kernels.
 
@@ -66,7 +68,8 @@ def run_config(args, recipe: str, run_dir):
                  out_dir=str(run_dir), corpus_dir=args.corpus, progress=False, compile=args.compile,
                  cudagraphs=args.cudagraphs, min_features=args.min_features,
                  eval_every=0, ckpt_every=0)
-    cfg = dataclasses.replace(cfg, steps=max(cfg.steps, args.steps[1] + args.profile_steps))
+    cfg = dataclasses.replace(cfg, steps=max(cfg.steps, args.steps[1] + args.profile_steps),
+                              adahop=cfg.adahop.replace(share_input=args.share_input != "off"))
     cfg.validate()  # a device this machine lacks, a backend it cannot run: one line
     return cfg
 
@@ -136,6 +139,7 @@ def measure(args, recipe: str) -> dict:
             "seq_len": cfg.seq_len, "grad_accum": cfg.grad_accum, "tokens_per_step": tokens_per_step,
             "calibration_steps": cfg.adahop.calibration_steps if cfg.adahop.adaptive else 0,
             "calibration_micro_batches": cfg.calibration_micro_batches, "min_features": cfg.min_features,
+            "share_input": cfg.adahop.share_input,
             "window": [p0, p1], "steady_tokens_per_s": tokens_per_step / s_per_step,
             "ms_per_step": 1e3 * s_per_step, "first_step_s": state["first_step_s"],
             "peak_memory_bytes": state["peak_bytes"], "steady_peak_memory_bytes": state["steady_peak_bytes"],
@@ -167,9 +171,11 @@ def profile_summary(prof, steps: int, cuda: bool) -> dict:
 
 
 # ---- the sequence of runs ----------------------------------------------------------------------------------
-def sequence(recipes: list[str]) -> list[str]:
-    """bf16, the other recipes in order, bf16."""
-    return ["bf16", *[r for r in recipes if r != "bf16"], "bf16"]
+def sequence(recipes: list[str], share_input: str = "on") -> list[tuple[str, str]]:
+    """(recipe, --share-input) of each run: bf16, the other recipes in order (with ``both``, each
+    with x quantized once per group, then per layer), bf16."""
+    shares = ("on", "off") if share_input == "both" else (share_input,)
+    return [("bf16", "on"), *[(r, s) for r in recipes if r != "bf16" for s in shares], ("bf16", "on")]
 
 
 def run_worker(argv: list[str], recipe: str, timeout: float | None) -> dict:
@@ -210,8 +216,9 @@ def table(rows: list[dict]) -> str:
         tps = r["steady_tokens_per_s"]
         p1 = r["window"][1]
         loss = r["losses"][p1 - 1] if len(r["losses"]) >= p1 else None
+        name = r["recipe"] if r.get("share_input", True) or r["recipe"] == "bf16" else f"{r['recipe']} (x per layer)"
         lines.append(
-            f"| {i} | {r['recipe']} | {tps:.0f} | {fmt(ratio(tps, first), '.3f')} | {fmt(ratio(tps, last), '.3f')} "
+            f"| {i} | {name} | {tps:.0f} | {fmt(ratio(tps, first), '.3f')} | {fmt(ratio(tps, last), '.3f')} "
             f"| {r['ms_per_step']:.1f} | {r['first_step_s']:.1f} s "
             f"| {gib(r['peak_memory_bytes'])} | {gib(r.get('steady_peak_memory_bytes'))} "
             f"| {fmt(r.get('device_ms_per_step'), '.1f')} | {fmt(loss, '.4f')} |")
@@ -246,6 +253,9 @@ def parse_args(argv=None):
     g.add_argument("--min-features", type=int, default=None, metavar="N",
                    help="the size rule: linears whose layer size, 2*in*out/(in+out), is below N stay BF16 (default: "
                         "the preset's, adahop.convert.MIN_FEATURES; 3072 is adahop.convert.HOPPER_MIN_FEATURES)")
+    g.add_argument("--share-input", choices=("on", "off", "both"), default="on",
+                   help="layers that read one activation quantize it once (on: the default), per layer (off), "
+                        "or each recipe runs both ways (both) (default: %(default)s)")
     g = p.add_argument_group("measurement")
     g.add_argument("--steps", nargs=2, type=int, default=[30, 60], metavar=("P0", "P1"),
                    help="the timed window: steps after P0 up to P1 (default: 30 60)")
@@ -315,9 +325,9 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     call = uuid.uuid4().hex[:12]  # the runs of one call share it (their ratios belong together)
     rows = []
-    for i, recipe in enumerate(sequence(args.recipes), 1):
+    for i, (recipe, share_input) in enumerate(sequence(args.recipes, args.share_input), 1):
         print(f"[{i}] {recipe} ...", flush=True)
-        row = {**run_worker(argv, recipe, args.timeout), "call": call, "run": i}
+        row = {**run_worker([*argv, "--share-input", share_input], recipe, args.timeout), "call": call, "run": i}
         rows.append(row)
         with out.open("a") as f:
             f.write(json.dumps({"benchmark": "bench_train_speed", **row, "env": env}) + "\n")

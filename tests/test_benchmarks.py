@@ -312,14 +312,15 @@ SPEED = ["--preset", "debug", "--model-size", "tiny", "--no-compile", "--batch-s
 
 
 def test_bench_train_speed_end_to_end(corpus, tmp_path, capsys):
-    """bf16, mxfp4, bf16, each in its own process: one row per run with the environment, the
-    table with both ratios."""
+    """bf16, mxfp4 (x quantized once per group, then per layer), bf16, each in its own process:
+    one row per run with the environment, the table with both ratios."""
     ts = script("bench_train_speed")
     out = tmp_path / "speed.jsonl"
     assert ts.main([*SPEED, "--corpus", str(corpus), "--recipes", "mxfp4", "--out", str(out),
-                    "--run-dir", str(tmp_path)]) == 0
+                    "--run-dir", str(tmp_path), "--share-input", "both"]) == 0
     rows = rows_of(out)
-    assert [(r["run"], r["recipe"]) for r in rows] == [(1, "bf16"), (2, "mxfp4"), (3, "bf16")]
+    assert [(r["run"], r["recipe"], r["share_input"]) for r in rows] == [
+        (1, "bf16", True), (2, "mxfp4", True), (3, "mxfp4", False), (4, "bf16", True)]
     assert len({r["call"] for r in rows}) == 1
     for r in rows:
         assert r["window"] == [2, 4] and r["tokens_per_step"] == 64 and r["model_size"] == "tiny"
@@ -328,11 +329,13 @@ def test_bench_train_speed_end_to_end(corpus, tmp_path, capsys):
         assert r["calibration_micro_batches"] == 1 and r["min_features"] == 0  # the size rule: the default
         assert len(r["losses"]) == 4 and all(math.isfinite(v) for v in r["losses"])
         assert r["env"]["adahop"] and r["env"]["command"].startswith("python benchmarks/bench_train_speed.py")
-    # the same model, data and seed: the two bf16 runs train to the same losses
-    assert rows[0]["losses"] == rows[2]["losses"] != rows[1]["losses"]
+    # the same model, data and seed: the two bf16 runs train to the same losses, and mxfp4 to the
+    # same losses whether its q, k, v (w1, w3) quantize x once or each its own
+    assert rows[0]["losses"] == rows[3]["losses"] != rows[1]["losses"] == rows[2]["losses"]
     assert list(tmp_path.glob("speed_*")) == []  # each run's folder removed after it
     text = capsys.readouterr().out
-    assert "| 2 | mxfp4 |" in text and "vs bf16 (first)" in text and "bf16 drift over the call" in text
+    assert "| 2 | mxfp4 |" in text and "| 3 | mxfp4 (x per layer) |" in text
+    assert "vs bf16 (first)" in text and "bf16 drift over the call" in text
     assert "| peak memory | steady peak memory |" in text
     on_gpu = {**rows[1], "peak_memory_bytes": 3 * 2**30, "steady_peak_memory_bytes": 2 * 2**30}
     assert "| 3.00 GiB | 2.00 GiB |" in ts.table([on_gpu])

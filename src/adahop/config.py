@@ -123,6 +123,10 @@ class AdaHOPConfig:
     # shares): IHT lowers the first and raises the second (docs/method.md, 'The value
     # projection's forward').
     value_fprop: str | None = None
+    # Layers that read one activation (q, k, v; w1, w3 in ``train.model``) quantize it once
+    # where their settings for it agree: the same bits as quantizing it per layer, fewer passes
+    # (``shared_input``). False: each layer quantizes its own copy.
+    share_input: bool = True
     tau: float = DEFAULT_TAU
     backend: str = "auto"
     seed: int = 0
@@ -147,8 +151,9 @@ class AdaHOPConfig:
                                  "GEMM in BF16")
         check_tau(self.tau)
         check_seed(self.seed)
-        if not isinstance(self.adaptive, bool):
-            raise ValueError(f"adaptive must be a bool, got {self.adaptive!r}")
+        for flag in ("adaptive", "share_input"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         steps = self.calibration_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"calibration_steps must be an int >= 1, got {steps!r}")

@@ -251,11 +251,13 @@ def forward_weight(weight: torch.Tensor, plan: LayerPlan, dtype: torch.dtype) ->
 
 
 # ---- the two directions, as plain functions (the ops' implementations) --------------------------
-def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan):
+def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_quantized: tuple | None = None):
     """fprop, and what wgrad will need of x. Returns ``(y_TN, x_q, cols_hp, cols_idx)``: x_q is
     x quantized along T (packed) where wgrad is quantized and a backward will run, else None;
     ``cols_hp`` / ``cols_idx`` are the k columns of x that wgrad's OE-right computes in high
-    precision (chosen here from x's column norms), else None."""
+    precision (chosen here from x's column norms), else None. ``x_quantized``: what
+    ``quantize_input`` gave for x and this plan, made once for the layers that read x
+    (``linear_group_forward``)."""
     # The parameter itself is saved and cast again in the backward: saving the cast copy
     # (bf16 under autocast) would hold 2 bytes per weight for the whole step. A plain fprop
     # mode casts it in its quantize kernel (PLAIN_MODES); the others use a cast copy.
@@ -272,8 +274,9 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan):
     _warn_oe_clamp(plan, x_TK.shape[0], weight.shape[0], weight.shape[1])
 
     x_fprop = x_saved = x_col_norms = None
-    if (fp.quantized and wg.quantized and plan.needs_backward
-            and getattr(backend, "quantize_and_pack", None) is not None):
+    if x_quantized is not None:
+        x_fprop, x_saved, x_col_norms = x_quantized
+    elif fp.quantized and wg.quantized and plan.needs_backward and _packs_both(backend):
         # x is A of fprop (along K) and B of wgrad (along T, packed, saved): one call
         # quantizes both orientations (one kernel from the same reads where that is faster),
         # and gives the column norms that wgrad's OE-right ranks.
@@ -306,6 +309,10 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan):
         if cols_idx is not None:
             cols_hp = x_TK[:, cols_idx].contiguous()
     return y_TN, x_q, cols_hp, cols_idx
+
+
+def _packs_both(backend) -> bool:
+    return getattr(backend, "quantize_and_pack", None) is not None
 
 
 def backward_gemms(g_TN: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, *, needs_dx: bool, needs_dw: bool,
@@ -407,6 +414,11 @@ def run_forward(x, weight, rng_state, numerics, needs_backward):
 
 @linear_forward.register_fake
 def _(x, weight, rng_state, numerics, needs_backward):
+    return _forward_fake(x, weight, numerics, needs_backward)
+
+
+def _forward_fake(x, weight, numerics, needs_backward):
+    """``linear_forward``'s outputs as empty tensors of their shapes (its fake, and the group's)."""
     T, K = x.shape
     codes, scales, k = _saved_shapes(numerics, T, K, needs_backward)
     u8 = torch.uint8
@@ -473,3 +485,153 @@ def _backward(ctx, grad_y, *_unused):
 
 
 torch.library.register_autograd("adahop::linear_forward", _backward, setup_context=_setup_context)
+
+
+# ---- layers that read one activation (q, k and v; w1 and w3) -----------------------------------
+# Each layer of such a group would quantize x itself, the same bits each time where its settings
+# are the same (X's rounding is RNE: deterministic). ``adahop::linear_group_forward`` runs the
+# group's forwards in one op and quantizes x once per distinct setting; everything else (the
+# weights, the GEMMs, OE, the SR streams, the backward) stays each layer's own, so the results
+# are those of the layers called one by one, bit for bit.
+def _input_specs(fprop: GemmPlan, wgrad: GemmPlan, needs_backward: bool):
+    """x's two operands under a plan: A of fprop and B of wgrad (None where that GEMM is BF16
+    or, for wgrad, where no backward will run), and whether wgrad's OE-right ranks x's columns."""
+    a = fprop.a if fprop.quantized else None
+    b = wgrad.b if (wgrad.quantized and needs_backward) else None
+    return a, b, b is not None and wgrad.mode == "iht+oe_right"
+
+
+def input_key(numerics: str, needs_backward: bool) -> tuple | None:
+    """What ``quantize_input`` makes of x under a layer's numerics key, as a hashable key: the
+    layers whose keys are equal get the same tensors from it. None where there is nothing to
+    share: no quantized GEMM reads x, or an operand of x rounds stochastically (each layer
+    draws its own bits)."""
+    backend_name, (fprop, _, wgrad), _ = _templates(numerics)
+    a, b, col_norms = _input_specs(fprop, wgrad, needs_backward)
+    if (a is None and b is None) or any(s is not None and s.stochastic for s in (a, b)):
+        return None
+    return backend_name, a, b, col_norms
+
+
+def quantize_input(x_TK: torch.Tensor, plan: LayerPlan) -> tuple:
+    """x quantized as ``forward_gemms`` would quantize it under ``plan``: ``(x_fprop, x_saved,
+    x_col_norms)``: x along K for fprop (None where fprop is BF16), along T packed for wgrad
+    (None where wgrad is BF16 or no backward will run), and x's column norms where one call
+    makes both orientations and wgrad's OE-right ranks columns (else None: ``forward_gemms``
+    takes them from x). Nothing is zeroed for OE: the slices OE computes in high precision are
+    written over the GEMM's output, whatever the quantized operand holds there."""
+    a, b, col_norms = _input_specs(plan.fprop, plan.wgrad, plan.needs_backward)
+    backend = plan.backend
+    if a is not None and b is not None and _packs_both(backend):
+        return backend.quantize_and_pack(x_TK, a, b, col_norms=col_norms)
+    return (None if a is None else backend.quantize(x_TK, 1, a),
+            None if b is None else backend.quantize_packed(x_TK, 0, b), None)
+
+
+def group_numerics_key(keys) -> str:
+    """The ``group_numerics`` argument of ``linear_group_forward``: the layers' numerics keys,
+    one per line (a key is compact JSON: it holds no line break). A join, which Dynamo traces
+    as a constant (``json.dumps`` would break the graph)."""
+    return "\n".join(keys)
+
+
+@functools.lru_cache(maxsize=256)
+def group_layers(group_numerics: str, needs_backward: bool) -> tuple[tuple[str, ...], tuple[int | None, ...]]:
+    """A group's layers' numerics keys (``group_numerics_key``), and for each layer the index of
+    the first layer with the same ``input_key`` (itself where none before it has one), whose
+    quantized x it uses; None where it has nothing to share."""
+    keys = group_numerics.split("\n")
+    owners, first = [], {}
+    for i, numerics in enumerate(keys):
+        key = input_key(numerics, needs_backward)
+        owners.append(None if key is None else first.setdefault(key, i))
+    return tuple(keys), tuple(owners)
+
+
+@torch.library.custom_op("adahop::linear_group_forward", mutates_args=())
+def linear_group_forward(xs: list[torch.Tensor], weights: list[torch.Tensor], rng_states: list[torch.Tensor],
+                         group_numerics: str, needs_backward: bool) -> list[torch.Tensor]:
+    """fprop of n layers that read one activation: ``xs``, the same values n times (one copy per
+    layer: ``train.model.compute_copies``, whose gradients meet in float32), ``weights``,
+    ``rng_states`` and the layers' numerics keys (``group_numerics``: ``group_numerics_key``)
+    each layer's own. Returns ``linear_forward``'s five outputs per layer, layer after layer, except
+    that x's saved codes and scales come once, at the first layer that uses them (``group_layers``),
+    and are empty at the others. x is quantized once per distinct ``input_key``, from the first
+    copy that needs it."""
+    keys, owners = group_layers(group_numerics, needs_backward)
+    _check_group(xs, weights, rng_states, keys)
+    shared, out = {}, []
+    for i, (x, weight, rng_state, numerics) in enumerate(zip(xs, weights, rng_states, keys)):
+        plan = layer_plan(numerics, rng_state, x.device, needs_backward)
+        owner = owners[i]
+        x_quantized = None
+        if owner is not None:
+            if owner not in shared:
+                shared[owner] = quantize_input(x, plan)
+            x_quantized = shared[owner]
+        y, x_q, cols_hp, cols_idx = forward_gemms(x, weight, plan, x_quantized=x_quantized)
+        u8 = torch.uint8
+        own = x_q is not None and owner in (None, i)
+        out += [y, x_q.codes if own else _none(x, u8), x_q.scale_e8m0 if own else _none(x, u8),
+                _none(x, x.dtype) if cols_hp is None else cols_hp,
+                _none(x, torch.int64) if cols_idx is None else cols_idx]
+    return out
+
+
+def _check_group(xs, weights, rng_states, keys) -> None:
+    n = len(keys)
+    if not (len(xs) == len(weights) == len(rng_states) == n):
+        raise ValueError(f"a group of {n} layers takes {n} inputs, weights and rng states; got "
+                         f"{len(xs)}, {len(weights)} and {len(rng_states)}")
+    if any(x.shape != xs[0].shape for x in xs):
+        raise ValueError(f"a group's inputs are copies of one activation, got shapes {[tuple(x.shape) for x in xs]}")
+
+
+@linear_group_forward.register_fake
+def _(xs, weights, rng_states, group_numerics, needs_backward):
+    keys, owners = group_layers(group_numerics, needs_backward)
+    _check_group(xs, weights, rng_states, keys)
+    out = []
+    for i, (x, weight, numerics) in enumerate(zip(xs, weights, keys)):
+        y, codes, scales, cols_hp, cols_idx = _forward_fake(x, weight, numerics, needs_backward)
+        if owners[i] not in (None, i):
+            codes, scales = _none(x, torch.uint8), _none(x, torch.uint8)
+        out += [y, codes, scales, cols_hp, cols_idx]
+    return out
+
+
+def _group_setup_context(ctx, inputs, output):
+    xs, weights, rng_states, group_numerics, needs_backward = inputs
+    keys, owners = group_layers(group_numerics, needs_backward)
+    saved, non_differentiable = [], []
+    for i, (x, weight, rng_state, numerics) in enumerate(zip(xs, weights, rng_states, keys)):
+        _, codes, scales, cols_hp, cols_idx = output[5 * i: 5 * i + 5]
+        if owners[i] not in (None, i):
+            codes, scales = output[5 * owners[i] + 1], output[5 * owners[i] + 2]
+        _, (_, _, wg), _ = _templates(numerics)
+        saved += [weight, x if not wg.quantized else None, codes, scales, cols_hp, cols_idx, rng_state]
+        non_differentiable += output[5 * i + 1: 5 * i + 5]
+    ctx.save_for_backward(*saved)
+    ctx.mark_non_differentiable(*non_differentiable)
+    ctx.keys = keys
+    ctx.x_dtype = xs[0].dtype
+
+
+def _group_backward(ctx, grads):
+    saved, n = ctx.saved_tensors, len(ctx.keys)
+    needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dxs, dws = [None] * n, [None] * n
+    for i, numerics in enumerate(ctx.keys):
+        weight, x, codes, scales, cols_hp, cols_idx, rng_state = saved[7 * i: 7 * i + 7]
+        if not (needs_dx[i] or needs_dw[i]):
+            continue
+        if x is None:
+            x = _none(grads[5 * i], ctx.x_dtype)
+        dx, dw = torch.ops.adahop.linear_backward(grads[5 * i], weight, x, codes, scales, cols_hp, cols_idx,
+                                                  rng_state, numerics, needs_dx[i], needs_dw[i])
+        dxs[i], dws[i] = (dx if needs_dx[i] else None), (dw if needs_dw[i] else None)
+    return dxs, dws, [None] * n, None, None
+
+
+torch.library.register_autograd("adahop::linear_group_forward", _group_backward,
+                                setup_context=_group_setup_context)

@@ -52,6 +52,7 @@ from adahop.layer_ops import (  # noqa: F401  (GemmPlan, LayerPlan, make_gemm_pl
     PLAIN_MODES,
     GemmPlan,
     LayerPlan,
+    input_key,
     layer_plan,
     make_gemm_plan,
     mxfp4_gemm,
@@ -240,7 +241,16 @@ class AdaHOPLinear(nn.Linear):
         prefix = mix_seeds(config.seed, self.layer_id)
         signs = tuple(mix_seeds_from(prefix, GEMM_INDEX[g], 2) if config.gemm(g).random_signs else None
                       for g in GEMMS)
-        self.__dict__["_numerics"] = numerics_key(config, modes, signs, self.__dict__.get("oe_ks"))
+        numerics = numerics_key(config, modes, signs, self.__dict__.get("oe_ks"))
+        self.__dict__["_numerics"] = numerics
+        # (made here for the same reason: ``shared_input`` compares them in a compiled forward)
+        self.__dict__["_input_keys"] = tuple(None if key is None else repr(key)
+                                             for key in (input_key(numerics, False), input_key(numerics, True)))
+
+    def input_key(self, needs_backward: bool) -> str | None:
+        """What this layer's GEMMs make of x (``layer_ops.input_key``, as a string): layers
+        that read one x and have equal keys can quantize it once (``shared_input``)."""
+        return self._input_keys[needs_backward]
 
     @property
     def numerics(self) -> str:
@@ -274,27 +284,36 @@ class AdaHOPLinear(nn.Linear):
         return self._forward_adahop(x)
 
     def _forward_adahop(self, x: torch.Tensor) -> torch.Tensor:
-        device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-        else:
-            dtype = x.dtype
-        x_TK = x.reshape(-1, self.in_features).to(dtype)
-        needs_backward = torch.is_grad_enabled() and (x_TK.requires_grad or self.weight.requires_grad)
-        with torch.autocast(device_type, enabled=False):
+        x_TK = self.compute_input(x)
+        needs_backward = self.needs_backward(x_TK)
+        with torch.autocast(x.device.type, enabled=False):
             if self.calibrating and self.training and torch.is_grad_enabled():
                 y = self._calibration_step(x_TK, needs_backward)
             else:
-                # The call's SR chain state; a forward with a backward advances the counter
-                # (evaluation leaves the SR sequence alone). The copy is what this call's
-                # backward reads.
-                rng_state = self.rng_state.clone()
-                if needs_backward:
-                    self.rng_state[1] += 1
-                y = torch.ops.adahop.linear_forward(x_TK, self.weight, rng_state, self._numerics, needs_backward)[0]
+                y = torch.ops.adahop.linear_forward(x_TK, self.weight, self.call_rng_state(needs_backward),
+                                                    self._numerics, needs_backward)[0]
             if self.bias is not None:
-                y = y + self.bias.to(dtype)
+                y = y + self.bias.to(x_TK.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def compute_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the ops take it: 2-D ``[T, in_features]``, in autocast's compute dtype where
+        autocast is on (else x's own)."""
+        device_type = x.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        return x.reshape(-1, self.in_features).to(dtype)
+
+    def needs_backward(self, x_TK: torch.Tensor) -> bool:
+        """Whether a backward can follow this call: what the forward must keep for wgrad."""
+        return torch.is_grad_enabled() and (x_TK.requires_grad or self.weight.requires_grad)
+
+    def call_rng_state(self, needs_backward: bool) -> torch.Tensor:
+        """The SR chain state of a call: a forward with a backward advances the counter
+        (evaluation leaves the SR sequence alone). The copy is what this call's backward reads."""
+        rng_state = self.rng_state.clone()
+        if needs_backward:
+            self.rng_state[1] += 1
+        return rng_state
 
     @torch.compiler.disable
     def _calibration_step(self, x_TK: torch.Tensor, needs_backward: bool) -> torch.Tensor:
@@ -311,10 +330,8 @@ class AdaHOPLinear(nn.Linear):
             return _CalibratingLinearFunction.apply(x_TK, self.weight, self)
         self._observe("x", x_TK)
         self._observe("w", self.weight.to(x_TK.dtype))
-        rng_state = self.rng_state.clone()
-        if needs_backward:
-            self.rng_state[1] += 1
-        y = torch.ops.adahop.linear_forward(x_TK, self.weight, rng_state, self._numerics, needs_backward)[0]
+        y = torch.ops.adahop.linear_forward(x_TK, self.weight, self.call_rng_state(needs_backward), self._numerics,
+                                            needs_backward)[0]
         if y.requires_grad:
             y.register_hook(self._calibration_backward)
         return y

@@ -37,10 +37,11 @@ Precision (docs/method.md, 'The three GEMMs of a linear layer'): the seven linea
 (wq, wk, wv, wo, w1, w2, w3) are what ``adahop.convert_to_adahop_training`` converts to MXFP4
 training; the embedding, the norms, attention's own matmuls and the LM head ``output`` stay in
 high precision (``output`` is skipped by name by the default filter, and when tied its weight is
-the embedding's). Under ``torch.autocast(..., dtype=torch.bfloat16)`` the logits come out in
-bf16; upcast them for the loss. The residual stream stays float32 (the embedding's dtype) in that
-case. Prefer autocast to ``model.to(torch.bfloat16)``, which would round the RoPE tables to bf16
-too.
+the embedding's). The layers that read one activation (wq, wk, wv; w1, w3) are called together
+(``adahop.shared_input``): converted, they quantize it once. Under
+``torch.autocast(..., dtype=torch.bfloat16)`` the logits come out in bf16; upcast them for the
+loss. The residual stream stays float32 (the embedding's dtype) in that case. Prefer autocast to
+``model.to(torch.bfloat16)``, which would round the RoPE tables to bf16 too.
 
 Big models: build them on the meta device (``with torch.device("meta"): Llama(cfg)``) to count
 parameters without memory, or materialise with ``model.to_empty(device=...)`` followed by
@@ -55,6 +56,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from adahop.shared_input import linears_on_one_input
 
 # Named sizes (everything but vocab_size and max_seq_len, which depend on the tokenizer and the
 # data). "1b" is Llama-3.2-1B's shape (with its 128256 vocab: 1.24B parameters, tied).
@@ -209,10 +212,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        xq, xk, xv = compute_copies(x, 3)
-        q = self.wq(xq).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, d]
-        k = self.wk(xk).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, T, d]
-        v = self.wv(xv).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, T, d]
+        q, k, v = linears_on_one_input((self.wq, self.wk, self.wv), compute_copies(x, 3))
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, d]
+        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, T, d]
+        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, T, d]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         n_rep = self.n_heads // self.n_kv_heads
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # [B, H, T, d]
@@ -230,10 +233,9 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x1, x3 = compute_copies(x, 2)
         # Both projections first, then the product: in a compiled block with graph breaks at the
         # linear layers, silu and the product are then one fused kernel (forward and backward).
-        h1, h3 = self.w1(x1), self.w3(x3)
+        h1, h3 = linears_on_one_input((self.w1, self.w3), compute_copies(x, 2))
         return self.w2(nn.functional.silu(h1) * h3)
 
 
