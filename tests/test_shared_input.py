@@ -126,6 +126,7 @@ def test_group_is_bit_identical_to_the_layers_one_by_one(monkeypatch, backend_na
 
 def test_evaluation_shares_the_forward_quantization(monkeypatch):
     backend = adahop.layer_ops.get_backend("reference", DEVICE)
+    monkeypatch.setattr(adahop.layer_ops, "get_backend", lambda name, device: backend)
     calls = count_x_quantizations(monkeypatch, backend)
     group = layers("mxfp4")
     x = make((T, K), seed=2)

@@ -550,16 +550,17 @@ def group_layers(group_numerics: str, needs_backward: bool) -> tuple[tuple[str, 
 
 @torch.library.custom_op("adahop::linear_group_forward", mutates_args=())
 def linear_group_forward(xs: list[torch.Tensor], weights: list[torch.Tensor], rng_states: list[torch.Tensor],
-                         group_numerics: str, needs_backward: bool) -> list[torch.Tensor]:
+                         group_numerics: str, owners: list[int], needs_backward: bool) -> list[torch.Tensor]:
     """fprop of n layers that read one activation: ``xs``, the same values n times (one copy per
     layer: ``train.model.compute_copies``, whose gradients meet in float32), ``weights``,
     ``rng_states`` and the layers' numerics keys (``group_numerics``: ``group_numerics_key``)
     each layer's own. Returns ``linear_forward``'s five outputs per layer, layer after layer, except
-    that x's saved codes and scales come once, at the first layer that uses them (``group_layers``),
-    and are empty at the others. x is quantized once per distinct ``input_key``, from the first
-    copy that needs it."""
-    keys, owners = group_layers(group_numerics, needs_backward)
-    _check_group(xs, weights, rng_states, keys)
+    that x's saved codes and scales come once, at the first layer that uses them, and are empty
+    at the others. x is quantized once per distinct ``input_key``, from the first copy that needs
+    it. ``owners``: ``group_layers``'s owners (-1 for None), which the caller derives from the
+    layers' keys and the op checks; the autograd context reads them, and cannot parse the
+    numerics keys where Dynamo traces it."""
+    keys, owners = _check_group(xs, weights, rng_states, group_numerics, owners, needs_backward)
     shared, out = {}, []
     for i, (x, weight, rng_state, numerics) in enumerate(zip(xs, weights, rng_states, keys)):
         plan = layer_plan(numerics, rng_state, x.device, needs_backward)
@@ -578,19 +579,23 @@ def linear_group_forward(xs: list[torch.Tensor], weights: list[torch.Tensor], rn
     return out
 
 
-def _check_group(xs, weights, rng_states, keys) -> None:
+def _check_group(xs, weights, rng_states, group_numerics, owners, needs_backward):
+    """The group's numerics keys and owners (``group_layers``), after checking the arguments."""
+    keys, want = group_layers(group_numerics, needs_backward)
+    if list(owners) != [-1 if o is None else o for o in want]:
+        raise ValueError(f"owners {list(owners)} do not match the layers' numerics, which give {list(want)}")
     n = len(keys)
     if not (len(xs) == len(weights) == len(rng_states) == n):
         raise ValueError(f"a group of {n} layers takes {n} inputs, weights and rng states; got "
                          f"{len(xs)}, {len(weights)} and {len(rng_states)}")
     if any(x.shape != xs[0].shape for x in xs):
         raise ValueError(f"a group's inputs are copies of one activation, got shapes {[tuple(x.shape) for x in xs]}")
+    return keys, want
 
 
 @linear_group_forward.register_fake
-def _(xs, weights, rng_states, group_numerics, needs_backward):
-    keys, owners = group_layers(group_numerics, needs_backward)
-    _check_group(xs, weights, rng_states, keys)
+def _(xs, weights, rng_states, group_numerics, owners, needs_backward):
+    keys, owners = _check_group(xs, weights, rng_states, group_numerics, owners, needs_backward)
     out = []
     for i, (x, weight, numerics) in enumerate(zip(xs, weights, keys)):
         y, codes, scales, cols_hp, cols_idx = _forward_fake(x, weight, numerics, needs_backward)
@@ -601,19 +606,19 @@ def _(xs, weights, rng_states, group_numerics, needs_backward):
 
 
 def _group_setup_context(ctx, inputs, output):
-    xs, weights, rng_states, group_numerics, needs_backward = inputs
-    keys, owners = group_layers(group_numerics, needs_backward)
+    # (Dynamo may trace this and the backward: plain indexing only, no parsing of the keys)
+    xs, weights, rng_states, group_numerics, owners, needs_backward = inputs
     saved, non_differentiable = [], []
-    for i, (x, weight, rng_state, numerics) in enumerate(zip(xs, weights, rng_states, keys)):
-        _, codes, scales, cols_hp, cols_idx = output[5 * i: 5 * i + 5]
-        if owners[i] not in (None, i):
-            codes, scales = output[5 * owners[i] + 1], output[5 * owners[i] + 2]
-        _, (_, _, wg), _ = _templates(numerics)
-        saved += [weight, x if not wg.quantized else None, codes, scales, cols_hp, cols_idx, rng_state]
+    for i, (x, weight, rng_state) in enumerate(zip(xs, weights, rng_states)):
+        src = owners[i] if owners[i] >= 0 else i  # whose outputs hold the x this layer's wgrad reads
+        codes, scales = output[5 * src + 1], output[5 * src + 2]
+        _, _, _, cols_hp, cols_idx = output[5 * i: 5 * i + 5]
+        # no packed x (wgrad in BF16, or no backward): wgrad reads x itself
+        saved += [weight, x if codes.numel() == 0 else None, codes, scales, cols_hp, cols_idx, rng_state]
         non_differentiable += output[5 * i + 1: 5 * i + 5]
     ctx.save_for_backward(*saved)
     ctx.mark_non_differentiable(*non_differentiable)
-    ctx.keys = keys
+    ctx.keys = group_numerics.split("\n")
     ctx.x_dtype = xs[0].dtype
 
 
@@ -630,7 +635,7 @@ def _group_backward(ctx, grads):
         dx, dw = torch.ops.adahop.linear_backward(grads[5 * i], weight, x, codes, scales, cols_hp, cols_idx,
                                                   rng_state, numerics, needs_dx[i], needs_dw[i])
         dxs[i], dws[i] = (dx if needs_dx[i] else None), (dw if needs_dw[i] else None)
-    return dxs, dws, [None] * n, None, None
+    return dxs, dws, [None] * n, None, None, None
 
 
 torch.library.register_autograd("adahop::linear_group_forward", _group_backward,

@@ -42,13 +42,15 @@ def linears_on_one_input(layers: Sequence[nn.Module], copies: Sequence[torch.Ten
     if any(layer.needs_backward(x) != needs_backward for layer, x in zip(layers, xs)):
         return tuple(layer(x) for layer, x in zip(layers, copies))  # (some weights frozen, some not)
     keys = [layer.input_key(needs_backward) for layer in layers]
-    if not any(key is not None and keys.count(key) > 1 for key in keys):
+    # each layer's owner: the first layer with its key (layer_ops.group_layers, which the op checks)
+    owners = [-1 if key is None else keys.index(key) for key in keys]
+    if all(owners.count(owner) < 2 for owner in owners if owner >= 0):
         return tuple(layer(x) for layer, x in zip(layers, copies))  # nothing to share
     group_numerics = group_numerics_key([layer.numerics for layer in layers])
     rng_states = [layer.call_rng_state(needs_backward) for layer in layers]
     with torch.autocast(copies[0].device.type, enabled=False):
         out = torch.ops.adahop.linear_group_forward(xs, [layer.weight for layer in layers], rng_states,
-                                                    group_numerics, needs_backward)
+                                                    group_numerics, owners, needs_backward)
     return tuple(out[5 * i].reshape(*x.shape[:-1], layer.out_features)
                  for i, (layer, x) in enumerate(zip(layers, copies)))
 
