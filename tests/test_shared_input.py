@@ -202,3 +202,17 @@ def test_share_input_is_a_checked_config_field():
         adahop.AdaHOPConfig(share_input="yes")
     cfg = adahop.AdaHOPConfig(share_input=False)
     assert adahop.AdaHOPConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_the_op_checks_its_owners_against_the_layers_numerics():
+    group = layers(modes=[IHT, IHT, MIXED[1]])
+    xs = [make((T, K), seed=4)] * 3
+    numerics = adahop.layer_ops.group_numerics_key([lay.numerics for lay in group])
+    assert adahop.layer_ops.group_layers(numerics, True)[1] == (0, 0, 2)  # layer 2: wgrad BF16, x along K only
+    args = (xs, [lay.weight for lay in group], [lay.rng_state.clone() for lay in group], numerics)
+    with pytest.raises(ValueError, match=r"owners \[0, 1, 2\] do not match the layers' numerics, which give \[0, 0, 2\]"):
+        torch.ops.adahop.linear_group_forward(*args, [0, 1, 2], True)
+    with pytest.raises(ValueError, match="a group of 3 layers takes 3 inputs"):
+        torch.ops.adahop.linear_group_forward(xs[:2], *args[1:], [0, 0, 2], True)
+    out = torch.ops.adahop.linear_group_forward(*args, [0, 0, 2], True)
+    assert len(out) == 15 and out[6].numel() == 0 and out[1].numel() > 0  # layer 1's saved x is layer 0's

@@ -250,7 +250,7 @@ class AdaHOPLinear(nn.Linear):
     def input_key(self, needs_backward: bool) -> str | None:
         """What this layer's GEMMs make of x (``layer_ops.input_key``, as a string): layers
         that read one x and have equal keys can quantize it once (``shared_input``)."""
-        return self._input_keys[needs_backward]
+        return self._input_keys[1] if needs_backward else self._input_keys[0]  # (Dynamo 2.11 cannot index by a bool)
 
     @property
     def numerics(self) -> str:
