@@ -320,7 +320,7 @@ def test_bench_train_speed_end_to_end(corpus, tmp_path, capsys):
                     "--run-dir", str(tmp_path), "--share-input", "both"]) == 0
     rows = rows_of(out)
     assert [(r["run"], r["recipe"], r["share_input"]) for r in rows] == [
-        (1, "bf16", True), (2, "mxfp4", True), (3, "mxfp4", False), (4, "bf16", True)]
+        (1, "bf16", False), (2, "mxfp4", True), (3, "mxfp4", False), (4, "bf16", False)]
     assert len({r["call"] for r in rows}) == 1
     for r in rows:
         assert r["window"] == [2, 4] and r["tokens_per_step"] == 64 and r["model_size"] == "tiny"
@@ -334,7 +334,7 @@ def test_bench_train_speed_end_to_end(corpus, tmp_path, capsys):
     assert rows[0]["losses"] == rows[3]["losses"] != rows[1]["losses"] == rows[2]["losses"]
     assert list(tmp_path.glob("speed_*")) == []  # each run's folder removed after it
     text = capsys.readouterr().out
-    assert "| 2 | mxfp4 |" in text and "| 3 | mxfp4 (x per layer) |" in text
+    assert "| 2 | mxfp4 (x shared) |" in text and "| 3 | mxfp4 |" in text
     assert "vs bf16 (first)" in text and "bf16 drift over the call" in text
     assert "| peak memory | steady peak memory |" in text
     on_gpu = {**rows[1], "peak_memory_bytes": 3 * 2**30, "steady_peak_memory_bytes": 2 * 2**30}
