@@ -14,6 +14,8 @@ y with what wgrad will need of x (x quantized along T, and the OE columns); ``ad
 linear_backward`` runs dgrad and wgrad. ``torch.library.register_autograd`` ties them together,
 so autograd, Dynamo and AOTAutograd see one opaque forward and one opaque backward per layer,
 with fake (meta) implementations that give the output shapes without running anything.
+``adahop::linear_group_forward`` (the end of this file) runs the forwards of several layers that
+read one activation, quantizing it once; their backwards are each layer's ``linear_backward``.
 
 Why one op per direction, not one per quantize / GEMM / top-k: what runs between those kernels
 (the OE slices' high-precision GEMMs and their writes into C, a cast) is small and needs no
