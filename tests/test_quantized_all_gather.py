@@ -371,3 +371,16 @@ def test_through_the_trainer_the_losses_are_the_ordinary_gathers(ranks):
         assert t["quantized"]["step_bytes"][0] < t["ordinary"]["step_bytes"][0]
         # resumed at step 3 from the quantized run's checkpoint: the same losses
         assert t["resumed"]["losses"] == t["quantized"]["losses"][3:]
+
+
+def test_fsdp_param_groups_of_either_torch():
+    """FSDP2 keeps its parameter groups as a list from torch 2.13 and as one group (or None)
+    before, e.g. in torch 2.11, the GPU machines': ``attach`` reads both."""
+    from types import SimpleNamespace
+
+    from adahop.train.quantized_all_gather import _param_groups
+
+    a, b = object(), object()
+    assert _param_groups(SimpleNamespace(_fsdp_param_groups=[a, b])) == [a, b]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=a)) == [a]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=None)) == []

@@ -338,11 +338,22 @@ def attach(model: nn.Module) -> None:
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
+        for group in _param_groups(module._get_fsdp_state()):
             for fsdp_param in group.fsdp_params:
                 local = fsdp_param._sharded_local_tensor
                 if isinstance(local, ShardedWeight):
                     local._state.fsdp_param = fsdp_param
+
+
+def _param_groups(state) -> list:
+    """An FSDP2 module's parameter groups: a list from torch 2.13 (``_fsdp_param_groups``), one
+    group or None before (``_fsdp_param_group``; the GPU machines' torch 2.11). FSDP2's internals,
+    which the switch needs (there is no public handle on a sharded parameter's FSDP2 record)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
 
 
 def gather_report(model: nn.Module) -> dict[str, dict]:
@@ -359,7 +370,8 @@ def gather_report(model: nn.Module) -> dict[str, dict]:
 
 
 class AllGatherMeter(AllGather):
-    """FSDP2's all-gather (``dist.all_gather_single``, as its default) with a count of the
+    """FSDP2's all-gather (``dist.all_gather_single``, as its default; ``all_gather_into_tensor``
+    before torch 2.13) with a count of the
     bytes this rank sends, its input, per call: ``install(model)`` on every FSDP2 module of
     ``model`` (``FSDPModule.set_custom_all_gather``)."""
 
@@ -378,4 +390,9 @@ class AllGatherMeter(AllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.calls += 1
         self.bytes += input_tensor.numel() * input_tensor.element_size()
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        return _all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+# torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there); before,
+# e.g. the GPU machines' torch 2.11, only all_gather_into_tensor exists. The same collective.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
