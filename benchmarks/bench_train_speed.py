@@ -21,7 +21,7 @@ against both BF16 runs. Per run:
   --cudagraphs: a replay allocates nothing, its memory is the graphs' pool, made when they were
   recorded, and the allocator counts none of it once the peak is reset, so it would read as the
   parameters and optimizer state alone);
-- the training loss of every step;
+- the training loss of every step, and how many layers run each mode per GEMM;
 - with ``--share-input both``, each recipe twice: the layers that read one activation quantizing
   it once, then each its own (the default; ``AdaHOPConfig.share_input``);
 - with ``--profile-steps N``: device time per step over N steps after P1 (CUDA kernels from
@@ -145,11 +145,27 @@ def measure(args, recipe: str) -> dict:
             "peak_memory_bytes": state["peak_bytes"], "steady_peak_memory_bytes": state["steady_peak_bytes"],
             "losses": summary["losses"],
         }
+        row["mode_counts"] = mode_counts(model)
         if n_prof:
             row.update(profile_steps=n_prof, **{k: state[k] for k in ("profiled", "device_ms_per_step", "top")})
         return row
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def mode_counts(model) -> dict[str, dict[str, int]]:
+    """How many converted layers run each mode, per GEMM (the frozen modes; a layer still
+    calibrating counts as "calibrating"): what a run's memory and speed follow from, e.g. its BF16
+    wgrads keep x in BF16 for the backward."""
+    from adahop.convert import adahop_layers
+    from adahop.policy import GEMMS
+
+    counts: dict[str, dict[str, int]] = {gemm: {} for gemm in GEMMS}
+    for layer in adahop_layers(model).values():
+        for gemm in GEMMS:
+            mode = "calibrating" if layer.modes is None else layer.modes[gemm]
+            counts[gemm][mode] = counts[gemm].get(mode, 0) + 1
+    return counts
 
 
 def profile_summary(prof, steps: int, cuda: bool) -> dict:

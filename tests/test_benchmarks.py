@@ -353,6 +353,10 @@ def test_bench_train_speed_worker_profiles(corpus, tmp_path):
     assert row["min_features"] == 64
     assert row["recipe"] == "adahop_lv2" and row["calibration_steps"] == 1 and len(row["losses"]) == 5
     assert row["calibration_micro_batches"] == 2
+    # the tiny model's 14 linears but wk and wv (layer size 2*64*32/96 < 64: BF16 by the size rule),
+    # modes frozen after the calibration step
+    assert all(sum(row["mode_counts"][gemm].values()) == 10 for gemm in ("fprop", "dgrad", "wgrad"))
+    assert "calibrating" not in row["mode_counts"]["wgrad"]
     assert row["profiled"] == "cpu op self time" and row["device_ms_per_step"] > 0
     assert any("mm" in name for name, _, _ in row["top"])
 
