@@ -52,8 +52,8 @@ def rows_of(path):
 
 def test_every_script_is_listed():
     # a new script gets a smoke test here: in GPU_ONLY (refusal) or in a CPU run below
-    assert set(SCRIPTS) == {"ablation", "backend_agreement", "bench_gemm", "bench_kernels", "bench_linear",
-                            "bench_train_speed", "check_compile", "check_hopper", "gpu_reference_check",
+    assert set(SCRIPTS) == {"ablation", "activation_memory", "backend_agreement", "bench_gemm", "bench_kernels",
+                            "bench_linear", "bench_train_speed", "check_compile", "check_hopper", "gpu_reference_check",
                             "offline_compile", "pretrained_forward", "quant_error_study", "sass_count",
                             "train_compare", "value_error"}
     assert not (BENCH / "bench_hopper.py").exists()
@@ -339,6 +339,36 @@ def test_bench_train_speed_end_to_end(corpus, tmp_path, capsys):
     assert "| peak memory | steady peak memory |" in text
     on_gpu = {**rows[1], "peak_memory_bytes": 3 * 2**30, "steady_peak_memory_bytes": 2 * 2**30}
     assert "| 3.00 GiB | 2.00 GiB |" in ts.table([on_gpu])
+
+
+def test_activation_memory_reads_what_the_compiled_graph_saves(tmp_path, capsys):
+    """The tiny model on the CPU: bf16 keeps x in bf16 for every linear and a bf16 copy of each
+    weight; mxfp4 keeps x packed and no weight copy; sharing x's quantization keeps one packed x
+    for q, k and v and one for w1 and w3."""
+    am = script("activation_memory")
+    out = tmp_path / "am.jsonl"
+    assert am.main(["--model-size", "tiny", "--recipes", "bf16", "mxfp4", "--share-input", "both",
+                    "--out", str(out)]) == 0
+    rows = {(r["recipe"], r["share_input"]): r for r in rows_of(out)}
+    assert set(rows) == {("bf16", False), ("mxfp4", False), ("mxfp4", True)}
+    bf16, mx, shared = rows["bf16", False], rows["mxfp4", False], rows["mxfp4", True]
+    for r in (bf16, mx, shared):
+        assert r["activation_bytes_per_token"] == sum(i["bytes"] for i in r["items"] if i["per_token"]) / 160
+    # the weights' bf16 copies: q, k, v, o (64 x 64, 32 x 64 twice, 64 x 64) and w1, w3, w2 (192 x 64 each), 2 bytes
+    assert bf16["constant_bytes"] == 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 192 * 64)
+    assert mx["constant_bytes"] == 7 * 2 * 16  # the layers' SR counter states (int64 [2], two each)
+    # x per token: bf16 keeps one bf16 copy of each distinct input (q, k and v read one, w1 and w3
+    # another, wo and w2 their own: 64, 64, 64 and 192 wide), mxfp4 one packed copy per layer
+    # (0.5 + 1/32 bytes per element: 6 of the 64-wide inputs, 1 of w2's); shared, q, k and v keep
+    # one packed copy and w1 and w3 one: 3 of the 6 go
+    packed = lambda k: k / 2 + k / 32  # noqa: E731
+    assert bf16["activation_bytes_per_token"] - mx["activation_bytes_per_token"] == (
+        (3 * 64 + 192) * 2 - (6 * packed(64) + packed(192)))
+    assert mx["activation_bytes_per_token"] - shared["activation_bytes_per_token"] == 3 * packed(64)
+    assert "| mxfp4 | yes |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        am.main(["--model-size", "tiny", "--tokens", "64"])  # T = 64 is the model's width
+    assert am.main(["--model-size", "tiny", "--recipes", "adahop_lv2", "--out", str(out)]) == 2
 
 
 def test_bench_train_speed_worker_profiles(corpus, tmp_path):

@@ -1,0 +1,162 @@
+"""What a training step keeps for the backward, per token and per transformer block, by recipe:
+the tensors the compiled graph saves, read from the graph itself, on the CPU.
+
+    python benchmarks/activation_memory.py --model-size 1b --recipes bf16 mxfp4 --share-input both
+
+The library's Llama is compiled whole (``torch.compile(fullgraph=True)``, bf16 autocast) through
+AOTAutograd with the min-cut partitioner, which is what Inductor uses to choose what the forward
+saves; the forward graph's outputs beyond the loss are those tensors. One block's share is the
+difference between the model with two blocks and with one (the embedding, the head and the
+loss cancel). Each saved tensor is listed with the op that made it (views looked through),
+its shape and dtype; a tensor whose shape holds the token count T (or T/2, T/32: x packed
+along the tokens) is an activation (bytes per token), the rest are per-block constants (the
+bf16 copies of the weights that autocast saves for ``F.linear``'s backward). Parameters
+themselves are not counted: they are alive anyway.
+
+What this predicts is the activation part of a step's peak memory: bytes per token per block x
+tokens per step x blocks. At 1B, with the parameters and optimizer state added, it came within
+1.5% of the H200's measured peaks, under them (docs/results.md, 'What the speed targets would
+need'). Adaptive recipes need their modes (``--modes``, a ``modes.json`` of the same model size),
+since a calibrating layer runs eagerly and is not in the graph.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+
+import torch
+from common import Results, add_out_arg, environment, print_environment, script_parser
+
+import adahop
+
+VIEWS = ("aten.view", "aten._unsafe_view", "aten.detach", "aten.t.", "aten.transpose", "aten.permute",
+         "aten.reshape", "aten.select", "aten.slice", "aten.expand", "aten.alias")
+
+
+def saved_tensors(recipe: str, size: str, n_layers: int, tokens: int, share_input: bool, modes: str | None,
+                  vocab: int) -> Counter:
+    """Bytes the compiled forward saves for the backward, by (producer, shape, dtype)."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    from adahop.train.model import Llama, LlamaConfig
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.from_size(size, vocab_size=vocab, max_seq_len=tokens, n_layers=n_layers))
+    config = adahop.AdaHOPConfig.from_recipe_name(recipe, backend="reference", share_input=share_input)
+    adahop.convert_to_adahop_training(model, config=config)
+    if modes is not None:
+        adahop.load_modes(model, modes)
+    if not adahop.is_calibrated(model):
+        raise ValueError(f"{recipe} calibrates: give its modes (--modes modes.json of a {size} run)")
+    saved: Counter = Counter()
+
+    def forward_compiler(gm, example_inputs):
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        for node in outputs[1:]:  # outputs[0]: the loss's input (the logits)
+            value = node.meta.get("val") if hasattr(node, "meta") else None
+            if not isinstance(value, torch.Tensor) or node.op == "placeholder":
+                continue  # a parameter or an input: alive anyway
+            src = node
+            while src.op == "call_function" and str(src.target).startswith(VIEWS):
+                src = src.args[0]
+            producer = str(src.target) if src.op == "call_function" else src.op
+            saved[(producer, tuple(value.shape), str(value.dtype).removeprefix("torch."))] += (
+                value.numel() * value.element_size())
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                           partition_fn=min_cut_rematerialization_partition)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = compiled(torch.randint(0, vocab, (1, tokens))).float().logsumexp(-1).mean()
+    loss.backward()
+    return saved
+
+
+def per_block(recipe: str, size: str, tokens: int, share_input: bool, modes: str | None, vocab: int) -> dict:
+    """One row: the tensors one block saves, its activation bytes per token and its constants."""
+    one = saved_tensors(recipe, size, 1, tokens, share_input, modes, vocab)
+    two = saved_tensors(recipe, size, 2, tokens, share_input, modes, vocab)
+    block = {k: two[k] - one.get(k, 0) for k in two if two[k] - one.get(k, 0)}
+    token_dims = {tokens, tokens // 2, tokens // 32}  # (x packed along T: codes [K, T/2], scales [K, T/32])
+    items = [{"producer": p, "shape": list(s), "dtype": d, "bytes": b,
+              "per_token": bool(token_dims & set(s))} for (p, s, d), b in sorted(block.items(), key=lambda kv: -kv[1])]
+    activation = sum(i["bytes"] for i in items if i["per_token"])
+    return {
+        "recipe": recipe, "model_size": size, "tokens": tokens, "share_input": share_input, "modes": modes,
+        "activation_bytes_per_token": activation / tokens,
+        "constant_bytes": sum(i["bytes"] for i in items if not i["per_token"]),
+        "items": items,
+    }
+
+
+def table(rows: list[dict], project_tokens: int, n_layers: int) -> str:
+    lines = [f"| recipe | x shared | bytes per token per block | per-block constants | {n_layers} blocks x "
+             f"{project_tokens} tokens |", "|---|---|---|---|---|"]
+    for r in rows:
+        total = (r["activation_bytes_per_token"] * project_tokens + r["constant_bytes"]) * n_layers
+        shared = "yes" if r["share_input"] else "no"
+        lines.append(f"| {r['recipe']} | {shared} | {r['activation_bytes_per_token']:,.0f} "
+                     f"| {r['constant_bytes'] / 2**20:.1f} MiB | {total / 2**30:.2f} GiB |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from adahop.train.model import SIZES
+
+    p = script_parser(__doc__)
+    p.add_argument("--model-size", default="1b", choices=list(SIZES), help="the Llama's size (default: %(default)s)")
+    p.add_argument("--recipes", nargs="+", default=["bf16", "mxfp4"], choices=list(adahop.RECIPES),
+                   help="recipes to trace (default: bf16 mxfp4; adaptive ones need --modes)")
+    p.add_argument("--tokens", type=int, default=160,
+                   help="tokens of the traced step: a multiple of 32 whose T, T/2 and T/32 are none of the "
+                        "model's dims, so that a shape tells an activation (default: %(default)s)")
+    p.add_argument("--share-input", choices=("on", "off", "both"), default="off",
+                   help="AdaHOPConfig.share_input of the converted model (both: each recipe both ways)")
+    p.add_argument("--modes", default=None, help="modes.json for the adaptive recipes (the same model size)")
+    p.add_argument("--project-tokens", type=int, default=32768,
+                   help="tokens per step of the projection in the table (default: %(default)s, 64 x 512)")
+    add_out_arg(p, "activation_memory")
+    args = p.parse_args(argv)
+    if args.tokens < 32 or args.tokens % 32:
+        p.error(f"--tokens must be a positive multiple of 32 (MX blocks run along the tokens), got {args.tokens}")
+    shape = SIZES[args.model_size]
+    head_dim = shape["dim"] // shape["n_heads"]
+    model_dims = {shape["dim"], shape["ffn_dim"], shape["n_heads"], shape["n_kv_heads"], head_dim,
+                  shape["n_kv_heads"] * head_dim, 1, 2, 8192}
+    clash = sorted(model_dims & {args.tokens, args.tokens // 2, args.tokens // 32})
+    if clash:
+        p.error(f"--tokens {args.tokens}: T, T/2 or T/32 equals a dim of the {args.model_size} model ({clash}); "
+                "take another multiple of 32, e.g. 160")
+    env = environment("activation_memory.py", argv)  # (a CPU script: no CUDA needed)
+    print_environment(env)
+    results = Results(args.out, "activation_memory", env)
+    shares = {"on": (True,), "off": (False,), "both": (False, True)}[args.share_input]
+    rows = []
+    for recipe in args.recipes:
+        for share in shares if recipe != "bf16" else (False,):
+            try:
+                row = per_block(recipe, args.model_size, args.tokens, share, args.modes, vocab=8192)
+            except ValueError as e:
+                print(f"activation_memory.py: {e}", file=sys.stderr)
+                return 2
+            rows.append(row)
+            results.write("block", [row])
+            print(f"{recipe}{' (x shared)' if share else ''}: {row['activation_bytes_per_token']:,.0f} bytes per token "
+                  f"per block", flush=True)
+            for item in row["items"][:12]:
+                unit = f"{item['bytes'] / args.tokens:10,.0f} B/token" if item["per_token"] else \
+                    f"{item['bytes'] / 2**20:10.2f} MiB    "
+                print(f"    {unit}  {item['producer']} {item['shape']} {item['dtype']}")
+    print()
+    print(table(rows, args.project_tokens, SIZES[args.model_size]["n_layers"]))
+    print(json.dumps({"out": str(args.out)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
