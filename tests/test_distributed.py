@@ -414,6 +414,24 @@ def test_adahop_train_under_torchrun_equals_accumulation_in_one_process(corpus, 
     assert len(err.splitlines()) == 1 and "sharded checkpoint of a --parallel run" in err, err
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_error_of_every_rank_is_printed_by_rank_0_or_after_the_grace(corpus, tmp_path, capsys, monkeypatch, rank):
+    """Rank 0 prints an error every rank raises alike at once; another rank first waits for
+    torchrun to stop it (which it does once rank 0 has exited), and prints the line itself if
+    that does not come: exiting first in silence could take rank 0 down before it printed."""
+    from adahop import cli
+
+    for k, v in (("RANK", str(rank)), ("WORLD_SIZE", "2"), ("LOCAL_RANK", str(rank))):
+        monkeypatch.setenv(k, v)
+    slept = []
+    monkeypatch.setattr(cli.time, "sleep", slept.append)
+    assert cli.main(cli_args(corpus, tmp_path / "r", "--parallel", "ddp", "--batch-size", "3")) == 2
+    assert slept == ([] if rank == 0 else [cli.ALL_RANKS_GRACE_S])
+    err = capsys.readouterr().err.strip()
+    assert err == (f"adahop train (rank {rank}): error: the global batch of 3 sequences does not split over 2 "
+                   "ranks: give a --batch-size that is a multiple of 2")
+
+
 def test_bad_launches_of_adahop_train_are_one_line(corpus, tmp_path, capsys, monkeypatch):
     from adahop import cli
 
@@ -424,8 +442,8 @@ def test_bad_launches_of_adahop_train_are_one_line(corpus, tmp_path, capsys, mon
     assert len(err.splitlines()) == 1 and "torchrun --nproc-per-node N" in err, err
     run = torchrun(cli_args(corpus, tmp_path / "r", "--parallel", "ddp", "--batch-size", "3"))
     assert run.returncode != 0
-    # every rank refuses the launch on its own; torchrun stops the others once the first exits,
-    # so which ranks print first is a race: each that does prints the one line
+    # every rank refuses the launch on its own; rank 0 prints the line, the others wait for
+    # torchrun to stop them once it has exited (and print it themselves if that does not come)
     ours = [line for line in run.stderr.splitlines() if line.startswith("adahop train")]
     assert ours and all(
         line in (f"adahop train (rank {r}): error: the global batch of 3 sequences does not split over 2 ranks: "

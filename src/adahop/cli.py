@@ -30,6 +30,11 @@ EVAL_MAX_SEQ_LEN = 512
 EXIT_USAGE = 2  # argparse's own code for a bad command line
 EXIT_INTERNAL = 1
 EXIT_INTERRUPTED = 130
+# An error every rank raises alike (``all_ranks``) is printed by rank 0. torchrun stops the other
+# ranks as soon as one exits, so a rank that exited first without a word could take rank 0 down
+# before it printed: the others wait this long for that stop, and print the line themselves if
+# it does not come.
+ALL_RANKS_GRACE_S = 10.0
 
 
 # ---- commands ------------------------------------------------------------------------------------
@@ -604,9 +609,12 @@ def main(argv=None) -> int:
         return EXIT_INTERRUPTED
     except (FloatingPointError, ValueError, ImportError, FetchError) as e:
         # divergence (with the step and what was kept), bad input, a missing optional package, a
-        # failed download. Under torchrun an error every rank raises alike is printed by rank 0;
-        # a rank stopped by another's error prints nothing (that rank prints its own).
-        if not getattr(e, "quiet", False) and not (getattr(e, "all_ranks", False) and rank):
+        # failed download. Under torchrun an error every rank raises alike is printed by rank 0
+        # (the others wait for torchrun to stop them: ALL_RANKS_GRACE_S); a rank stopped by
+        # another's error prints nothing (that rank prints its own).
+        if getattr(e, "all_ranks", False) and rank:
+            time.sleep(ALL_RANKS_GRACE_S)
+        if not getattr(e, "quiet", False):
             print(f"{where}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as e:  # a full disk, a permission: name the file and the reason
