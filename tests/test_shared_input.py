@@ -93,14 +93,20 @@ def emulated_hopper():
     return backend
 
 
-MODE_SETS = {"iht": (IHT,) * 3, "mixed": MIXED, "oe_right": OE_RIGHT}
+OE_KS = (  # OE-right wgrads with their own k (as the measured policy chooses): one x, each its own columns
+    {**OE_RIGHT[0], "oe_k": {"fprop": 8, "wgrad": 2}},
+    {**OE_RIGHT[1], "oe_k": {"wgrad": 8}},
+    OE_RIGHT[2],
+)
+MODE_SETS = {"iht": (IHT,) * 3, "mixed": MIXED, "oe_right": OE_RIGHT, "oe_ks": OE_KS}
 # x's quantizations per step, grouped: one per distinct setting of x's operands instead of one per
 # layer. The reference quantizes x along K and along T in two calls, hopper_fp8 in one.
 #   mixed: layers 0 and 2 have the same settings for x (their modes differ in OE only), layer 1
 #   quantizes x along K only (its wgrad is BF16); oe_right: layers 0 and 1 share, layer 2 (plain
 #   MXFP4, no Hadamard) quantizes its own.
 GROUPED_CALLS = {("iht", "reference"): 2, ("iht", "hopper_fp8"): 1, ("mixed", "reference"): 3,
-                 ("mixed", "hopper_fp8"): 2, ("oe_right", "reference"): 4, ("oe_right", "hopper_fp8"): 2}
+                 ("mixed", "hopper_fp8"): 2, ("oe_right", "reference"): 4, ("oe_right", "hopper_fp8"): 2,
+                 ("oe_ks", "reference"): 4}
 
 
 # (the interpreter is slow: hopper_fp8 runs two of the three mode sets)
