@@ -160,7 +160,7 @@ class _Subclass(torch.Tensor):
 
 
 @pytest.mark.parametrize("case", ["share_input=False", "calibrating", "bf16", "hook", "bias", "plain linear",
-                                  "nothing shared", "weight subclass"])
+                                  "nothing shared", "weight subclass", "one weight frozen"])
 def test_falls_back_to_the_layers_one_by_one(monkeypatch, case):
     """Where the group cannot run as one op, each layer is called as it is, with the same
     result as calling it directly."""
@@ -179,6 +179,8 @@ def test_falls_back_to_the_layers_one_by_one(monkeypatch, case):
             group[1].register_forward_hook(lambda mod, args, out: None)
         elif case == "bias":
             group[2].bias = torch.nn.Parameter(torch.zeros(OUT[2], device=DEVICE))
+        elif case == "one weight frozen":  # a backward for two layers, none for the third
+            group[2].weight.requires_grad_(False)
         elif case == "weight subclass":
             group[1].weight = torch.nn.Parameter(group[1].weight.detach().as_subclass(_Subclass))
         else:

@@ -39,9 +39,10 @@ def linears_on_one_input(layers: Sequence[nn.Module], copies: Sequence[torch.Ten
     if not _runs_as_group(layers, copies):
         return tuple(layer(x) for layer, x in zip(layers, copies))
     xs = [layer.compute_input(x) for layer, x in zip(layers, copies)]
-    needs_backward = any(layer.needs_backward(x) for layer, x in zip(layers, xs))
-    if any(layer.needs_backward(x) != needs_backward for layer, x in zip(layers, xs)):
+    backward = [layer.needs_backward(x) for layer, x in zip(layers, xs)]
+    if any(b != backward[0] for b in backward):
         return tuple(layer(x) for layer, x in zip(layers, copies))  # (some weights frozen, some not)
+    needs_backward = backward[0]
     keys = [layer.input_key(needs_backward) for layer in layers]
     # each layer's owner: the first layer with its key (layer_ops.group_layers, which the op checks)
     owners = [-1 if key is None else keys.index(key) for key in keys]
