@@ -243,6 +243,14 @@ def test_gqa_model_equals_mha_model_with_repeated_kv_weights():
     mha.load_state_dict(sd)
     x = tokens(2, 12)
     assert torch.allclose(gqa(x), mha(x), atol=1e-5)
+    # the backward too: each kv head's gradient is the sum over the query heads that read it
+    gqa(x).square().mean().backward()
+    mha(x).square().mean().backward()
+    for (k, p), (_, q) in zip(gqa.named_parameters(), mha.named_parameters()):
+        g = q.grad
+        if k.endswith(("attention.wk.weight", "attention.wv.weight")):
+            g = g.view(2, rep, hd, -1).sum(1).reshape(2 * hd, -1)
+        assert torch.allclose(p.grad, g, atol=1e-6), k
     # repeating kv heads the other way (tile instead of interleave) is NOT equivalent
     bad = dict(sd)
     for k, v in gqa.state_dict().items():

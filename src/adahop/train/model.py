@@ -10,7 +10,7 @@ d = D / H (head dim), F = ffn_dim, V = vocab_size, L = n_layers.
            q = wq(n) -> [B, T, H, d] -> [B, H, T, d]        then RoPE
            k = wk(n) -> [B, T, G, d] -> [B, G, T, d]        then RoPE
            v = wv(n) -> [B, T, G, d] -> [B, G, T, d]
-           k, v repeated to H heads (query head i reads kv head i // (H / G))
+           query head i reads kv head i // (H / G)          (k, v are not repeated in memory)
            a = causal softmax(q k^T / sqrt(d)) v            [B, H, T, d] -> [B, T, H*d = D]
            h = h + wo(a)                                   residual
            m = ffn_norm(h)
@@ -29,7 +29,10 @@ Pieces:
   rebuilt from the config).
 * **Grouped-query attention**: G <= H key/value heads, each shared by H / G query heads. With
   G = H it is ordinary multi-head attention; it shrinks wk, wv and the KV activations by H / G.
-  The attention matmuls themselves are ``F.scaled_dot_product_attention(is_causal=True)``.
+  The attention matmuls themselves are ``F.scaled_dot_product_attention(is_causal=True,
+  enable_gqa=True)``: the kernel reads the G heads where H are asked for, so neither the forward
+  nor its saved tensors hold k and v repeated H / G times (at Llama-3.2-1B's shape, 6 KB a token
+  in each block), and the backward sums each kv head's gradient over its query heads.
 * **Tied embeddings** (``tie_embeddings=True``, as Llama-3.2-1B): ``output.weight`` *is*
   ``tok_embeddings.weight``.
 
@@ -217,9 +220,10 @@ class Attention(nn.Module):
         k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, T, d]
         v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, T, d]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        n_rep = self.n_heads // self.n_kv_heads
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # [B, H, T, d]
-        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, d]
+        # k and v stay at G heads: the attention kernel reads kv head i // (H / G) for query head
+        # i, so the repeated copies are neither written nor saved for the backward
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                       enable_gqa=self.n_heads != self.n_kv_heads)  # [B, H, T, d]
         return self.wo(a.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
