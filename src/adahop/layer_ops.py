@@ -530,11 +530,16 @@ def quantize_input(x_TK: torch.Tensor, plan: LayerPlan) -> tuple:
             None if b is None else backend.quantize_packed(x_TK, 0, b), None)
 
 
+GROUP_SEPARATOR = "\t"
+
+
 def group_numerics_key(keys) -> str:
     """The ``group_numerics`` argument of ``linear_group_forward``: the layers' numerics keys,
-    one per line (a key is compact JSON: it holds no line break). A join, which Dynamo traces
-    as a constant (``json.dumps`` would break the graph)."""
-    return "\n".join(keys)
+    separated by tabs (a key is JSON, whose strings escape every control character, so it holds
+    no raw tab). Not line breaks: Inductor's GPU code cites each op's arguments in a one-line
+    comment, and a line break there ends the comment and makes the file fail to import. A join,
+    which Dynamo traces as a constant (``json.dumps`` would break the graph)."""
+    return GROUP_SEPARATOR.join(keys)
 
 
 @functools.lru_cache(maxsize=256)
@@ -542,7 +547,7 @@ def group_layers(group_numerics: str, needs_backward: bool) -> tuple[tuple[str, 
     """A group's layers' numerics keys (``group_numerics_key``), and for each layer the index of
     the first layer with the same ``input_key`` (itself where none before it has one), whose
     quantized x it uses; None where it has nothing to share."""
-    keys = group_numerics.split("\n")
+    keys = group_numerics.split(GROUP_SEPARATOR)
     owners, first = [], {}
     for i, numerics in enumerate(keys):
         key = input_key(numerics, needs_backward)
@@ -620,7 +625,7 @@ def _group_setup_context(ctx, inputs, output):
         non_differentiable += output[5 * i + 1: 5 * i + 5]
     ctx.save_for_backward(*saved)
     ctx.mark_non_differentiable(*non_differentiable)
-    ctx.keys = group_numerics.split("\n")
+    ctx.keys = group_numerics.split(GROUP_SEPARATOR)
     ctx.x_dtype = xs[0].dtype
 
 
