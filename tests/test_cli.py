@@ -362,6 +362,27 @@ def test_bf16_blocks_and_phase_reach_the_run(corpus, tmp_path, capsys):
         cli.main(train_args(corpus, tmp_path / "x") + ["--bf16-blocks", "1"])
 
 
+def test_a_scheduled_recipe_is_its_numerics_and_its_bf16_phase(corpus, tmp_path, capsys):
+    """adahop_lv2_tail is adahop_lv2 with the forward in BF16 from 82% of the steps on: the run
+    records both, switches at step floor(0.82 * 10) = 8, and an explicit --bf16-phase wins."""
+    run = tmp_path / "tail"
+    assert cli.main(train_args(corpus, run, recipe="adahop_lv2_tail", steps=10)) == 0
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["adahop"]["recipe"] == "adahop_lv2"
+    assert cfg["bf16_phase_start"] == 0.82 and cfg["bf16_phase_gemms"] == ["fprop"]
+    records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "bf16_phase" in r] == [8]
+    modes = json.loads((run / "modes.json").read_text())
+    assert all(m["fprop"] == "bf16" for m in modes.values()) and any(m["wgrad"] != "bf16" for m in modes.values())
+    own = tmp_path / "own"
+    assert cli.main(train_args(corpus, own, recipe="adahop_lv2_tail", steps=10) + ["--bf16-phase", "0.5"]) == 0
+    assert json.loads((own / "config.json").read_text())["bf16_phase_start"] == 0.5
+    # the debug preset calibrates for 3 steps: the phase must begin after them
+    assert cli.main(train_args(corpus, tmp_path / "short", recipe="adahop_lv2_tail", steps=3)) == 2
+    one_line_error(capsys, "recipe adahop_lv2_tail runs fprop in BF16 from 82% of the steps on",
+                   "give at least 4 steps, or recipe adahop_lv2")
+
+
 def test_drift_is_measured_at_the_final_evaluation(corpus, tmp_path):
     """--drift measure re-observes the calibrated layers on held-out batches at the evaluation
     and logs what changed (here: the end of a short run); bad combinations are one line."""

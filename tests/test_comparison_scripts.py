@@ -224,6 +224,22 @@ def test_ablation_fprop_tail_variant_of_naive_mxfp4(tmp_path):
                          for v, c in (("mxfp4", plain), ("mxfp4_fprop_tail7", tail))])
 
 
+def test_the_named_tail_recipe_is_the_measured_variant(tmp_path):
+    """adahop train's adahop_lv2_tail is the run the ablation measured as lv2_bf16_fprop_tail."""
+    import argparse
+
+    from adahop.train.recipes import preset
+
+    ab = load("ablation")
+    args = argparse.Namespace(out=str(tmp_path), corpus=str(tmp_path / "corpus"), preset="h200_125m", steps=None,
+                              lr=None, compile="auto", cudagraphs=False, drift_measure=False)
+    measured = ab.run_config(args, "lv2_bf16_fprop_tail", 0)
+    named = preset("h200_125m", recipe="adahop_lv2_tail", seed=0)
+    fields = ("adahop", "bf16_phase_start", "bf16_phase_gemms", "steps", "model_size")
+    assert {f: getattr(named, f) for f in fields} == {f: getattr(measured, f) for f in fields}
+    assert named.recipe == "adahop_lv2"
+
+
 def test_ablation_grad_rne_variants_round_only_the_gradient_to_nearest():
     """lv2_grad_rne and measured_grad_rne: the gradient operand of dgrad and wgrad rounded to
     nearest instead of stochastically; every other setting as their recipe's."""

@@ -361,10 +361,12 @@ def _add_train_args(p):
     from adahop.config import BACKEND_CHOICES, DGRAD_WEIGHTS
     from adahop.policy import GEMM_MODES
     from adahop.train.model import SIZES
-    from adahop.train.recipes import PRESETS
+    from adahop.train.recipes import DEFAULT_RECIPE, PRESETS, TRAIN_RECIPES
 
     g = p.add_argument_group("what")
-    g.add_argument("--recipe", default="adahop_lv2", choices=list(adahop.RECIPES), help="AdaHOP numerics recipe")
+    g.add_argument("--recipe", default=DEFAULT_RECIPE, choices=list(TRAIN_RECIPES),
+                   help="AdaHOP numerics recipe; adahop_lv2_tail: adahop_lv2 with the forward in BF16 for the last "
+                        "18%% of the steps (--bf16-phase 0.82:fprop)")
     g.add_argument("--preset", default="cpu", choices=list(PRESETS),
                    help="model size, batch and schedule (adahop/train/recipes.py)")
     g.add_argument("--corpus", default="runs/corpus", help="corpus folder (adahop data)")
@@ -443,6 +445,7 @@ def _add_train_args(p):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from adahop.train.recipes import TRAIN_RECIPES
     from adahop.train.sources import DEFAULT_SOURCES, describe_sources
 
     p = argparse.ArgumentParser(prog="adahop", description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
@@ -495,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "they are.")
     q.add_argument("--root", default="runs", help="folder for the corpus and the runs")
     q.add_argument("--steps", type=_positive_int, default=None, help="override the cpu preset's steps")
-    q.add_argument("--recipes", nargs="+", default=["bf16", "adahop_lv2"], choices=list(adahop.RECIPES),
+    q.add_argument("--recipes", nargs="+", default=["bf16", "adahop_lv2"], choices=list(TRAIN_RECIPES),
                    help="recipes to train")
     _add_analyze_parser(sub)
     return p

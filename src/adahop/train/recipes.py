@@ -11,10 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 
-from adahop.config import AdaHOPConfig
+from adahop.config import RECIPES, AdaHOPConfig
+from adahop.train.precision import phase_switch_step, validate_schedule
 from adahop.train.trainer import TrainConfig
 
 DEFAULT_RECIPE = "adahop_lv2"
+
+# Named recipes that add a precision schedule (TrainConfig fields) to a numerics recipe. A schedule
+# is training-side, so these names are ``preset``'s and ``adahop train``'s, not
+# ``AdaHOPConfig.from_recipe_name``'s; a schedule field given as an override wins.
+SCHEDULED_RECIPES: dict[str, tuple[str, dict]] = {
+    # adahop_lv2 with the forward GEMM in BF16 for the last 18% of the steps: the smallest gap to
+    # bf16 measured at 125M (docs/method.md, 'Recipes')
+    "adahop_lv2_tail": ("adahop_lv2", {"bf16_phase_start": 0.82, "bf16_phase_gemms": ("fprop",)}),
+}
+TRAIN_RECIPES = (*RECIPES, *SCHEDULED_RECIPES)
 
 
 def numerics(recipe: str, *, calibration_steps: int, oe_k: int) -> AdaHOPConfig:
@@ -91,7 +102,9 @@ def preset(name: str, *, adahop: AdaHOPConfig | None = None, **overrides) -> Tra
     through). ``recipe`` picks the recipe; ``calibration_steps``, ``calibration_gemms``, ``dgrad_weight``,
     ``value_fprop``, ``oe_k`` (all GEMMs) and ``backend`` change the AdaHOP side; ``adahop`` replaces the
     AdaHOP config as a whole (an experiment's own variant), before those; ``seed`` sets both the training
-    seed and the SR seed; every other name is a TrainConfig field."""
+    seed and the SR seed; every other name is a TrainConfig field. ``recipe`` is one of
+    ``TRAIN_RECIPES``: a numerics recipe, or a name of ``SCHEDULED_RECIPES`` (a numerics recipe and
+    a BF16 phase)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {tuple(PRESETS)}")
     overrides = {k: v for k, v in overrides.items() if v is not None}
@@ -102,7 +115,11 @@ def preset(name: str, *, adahop: AdaHOPConfig | None = None, **overrides) -> Tra
         raise ValueError(f"unknown preset overrides {sorted(unknown)}; known: {known}")
     if adahop is not None and "recipe" in overrides:
         raise ValueError("give a recipe name or an adahop config, not both")
-    cfg = PRESETS[name](overrides.pop("recipe", DEFAULT_RECIPE))
+    recipe = overrides.pop("recipe", DEFAULT_RECIPE)
+    if recipe not in TRAIN_RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; known recipes: {TRAIN_RECIPES}")
+    numerics_recipe, schedule = SCHEDULED_RECIPES.get(recipe, (recipe, {}))
+    cfg = dataclasses.replace(PRESETS[name](numerics_recipe), **schedule)
     q = adahop or cfg.adahop
     if "calibration_steps" in overrides:
         q = q.replace(calibration_steps=overrides.pop("calibration_steps"))
@@ -115,4 +132,22 @@ def preset(name: str, *, adahop: AdaHOPConfig | None = None, **overrides) -> Tra
         q = q.with_gemm_settings(oe_k=overrides.pop("oe_k"))
     if "seed" in overrides:
         q = q.replace(seed=overrides["seed"])
-    return dataclasses.replace(cfg, adahop=q, **overrides)
+    cfg = dataclasses.replace(cfg, adahop=q, **overrides)
+    if schedule and "bf16_phase_start" not in overrides:
+        _check_scheduled_recipe(recipe, cfg)
+    return cfg
+
+
+def _check_scheduled_recipe(recipe: str, cfg: TrainConfig) -> None:
+    """A run too short for its recipe's BF16 phase to begin after the calibration is refused
+    with the fewest steps that fit, in the recipe's terms (the user did not ask for a phase)."""
+    try:
+        validate_schedule(cfg.steps, cfg.grad_accum, cfg.bf16_phase_start, cfg.adahop.calibration_steps)
+    except ValueError:
+        calibrated_after = -(-cfg.adahop.calibration_steps // cfg.grad_accum)
+        fewest = next(n for n in range(cfg.steps, 10 * calibrated_after + 10)
+                      if phase_switch_step(n, cfg.bf16_phase_start) >= calibrated_after)
+        raise ValueError(f"recipe {recipe} runs {'/'.join(cfg.bf16_phase_gemms)} in BF16 from "
+                         f"{cfg.bf16_phase_start:.0%} of the steps on, which must come after the calibration's "
+                         f"{cfg.adahop.calibration_steps} steps: give at least {fewest} steps, or recipe "
+                         f"{SCHEDULED_RECIPES[recipe][0]}") from None
