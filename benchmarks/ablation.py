@@ -37,6 +37,7 @@ from common import environment, environment_line, print_environment
 
 import adahop
 from adahop.policy import GEMMS, table_policy
+from adahop.train.model import SIZES
 from adahop.train.recipes import PRESETS
 from adahop.train.trainer import COMPILE_CHOICES
 
@@ -198,7 +199,8 @@ def run_config(args, name: str, seed: int):
 
     out = Path(args.out) / f"{name}-s{seed}"
     overrides = dict(seed=seed, out_dir=str(out), corpus_dir=args.corpus, steps=args.steps, lr=args.lr,
-                     progress=False, compile=args.compile, cudagraphs=args.cudagraphs or None)
+                     model_size=args.model_size, progress=False, compile=args.compile,
+                     cudagraphs=args.cudagraphs or None)
     base = preset(args.preset, **overrides).adahop
     numerics = variant_config(name, base, seed)
     if args.drift_measure and numerics.adaptive:
@@ -449,6 +451,8 @@ def main(argv=None) -> int:
                    help="training preset; a GPU one (h200, h200_125m) on a GPU machine (default: %(default)s)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the preset's)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
+    p.add_argument("--model-size", choices=list(SIZES), default=None,
+                   help="model size (default: the preset's); a variant's winner confirmed at another size")
     p.add_argument("--variants", nargs="+", default=["bf16", "mxfp4", "lv2"], choices=list(VARIANTS),
                    help="variants to train (default: bf16 mxfp4 lv2)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0],

@@ -25,6 +25,14 @@ def load(name):
     return mod
 
 
+def ablation_args(tmp_path, preset="cpu", model_size=None):
+    """ablation.py's parsed arguments for ``run_config``: the preset's steps, rate and size."""
+    import argparse
+
+    return argparse.Namespace(out=str(tmp_path), corpus=str(tmp_path / "corpus"), preset=preset, steps=None, lr=None,
+                              model_size=model_size, compile="auto", cudagraphs=False, drift_measure=False)
+
+
 def test_train_compare_serial_and_parallel(corpus, tmp_path, capsys):
     tc = load("train_compare")
     common = ["--corpus", str(corpus), "--preset", "debug", "--steps", "3", "--tasks"]
@@ -162,11 +170,8 @@ def test_ablation_calibration_micro_batches_variant_calibrates_as_lv2(tmp_path):
     """lv2_calib_mb4 runs each calibration step as 4 micro-batches (one observation of the step
     each, so the preset's calibration steps), and is comparable with lv2 (the split is the
     variant's own field)."""
-    import argparse
-
     ab = load("ablation")
-    args = argparse.Namespace(out=str(tmp_path), corpus=str(tmp_path / "corpus"), preset="cpu", steps=None, lr=None,
-                              compile="auto", cudagraphs=False, drift_measure=False)
+    args = ablation_args(tmp_path)
     lv2, mb4 = ab.run_config(args, "lv2", 0), ab.run_config(args, "lv2_calib_mb4", 0)
     assert (lv2.calibration_micro_batches, mb4.calibration_micro_batches) == (1, 4)
     assert mb4.adahop == lv2.adahop and lv2.adahop.calibration_steps == 30
@@ -179,11 +184,8 @@ def test_ablation_variants_with_their_own_calibration_length(tmp_path):
     """measured_b2_c10 calibrates for its own 10 steps (not the preset's 30) with a 2% budget,
     measured_c10 for 10 steps with the default 8%, the preset's OE k and seed otherwise; both
     compare with the other variants (the numerics are the variant's own field)."""
-    import argparse
-
     ab = load("ablation")
-    args = argparse.Namespace(out=str(tmp_path), corpus=str(tmp_path / "corpus"), preset="cpu", steps=None, lr=None,
-                              compile="auto", cudagraphs=False, drift_measure=False)
+    args = ablation_args(tmp_path)
     measured, short = ab.run_config(args, "measured", 1), ab.run_config(args, "measured_b2_c10", 1)
     c10 = ab.run_config(args, "measured_c10", 1)
     assert [c.adahop.calibration_steps for c in (measured, short, c10)] == [30, 10, 10]
@@ -196,11 +198,8 @@ def test_ablation_variants_with_their_own_calibration_length(tmp_path):
 
 def test_ablation_bf16_ends_variant_keeps_the_first_and_last_blocks_bf16(tmp_path):
     """lv2_bf16_ends is lv2 with bf16_blocks (1, 1), a variant's field: comparable with lv2."""
-    import argparse
-
     ab = load("ablation")
-    args = argparse.Namespace(out=str(tmp_path), corpus=str(tmp_path / "corpus"), preset="cpu", steps=None, lr=None,
-                              compile="auto", cudagraphs=False, drift_measure=False)
+    args = ablation_args(tmp_path)
     lv2, ends = ab.run_config(args, "lv2", 2), ab.run_config(args, "lv2_bf16_ends", 2)
     assert (lv2.bf16_blocks, ends.bf16_blocks) == ((0, 0), (1, 1)) and ends.adahop == lv2.adahop
     ends.validate()
@@ -211,11 +210,8 @@ def test_ablation_bf16_ends_variant_keeps_the_first_and_last_blocks_bf16(tmp_pat
 def test_ablation_fprop_tail_variant_of_naive_mxfp4(tmp_path):
     """mxfp4_fprop_tail7 is naive mxfp4 whose forward GEMM runs BF16 from step floor(0.93 * steps),
     a variant's field: comparable with mxfp4."""
-    import argparse
-
     ab = load("ablation")
-    args = argparse.Namespace(out=str(tmp_path), corpus=str(tmp_path / "corpus"), preset="cpu", steps=None, lr=None,
-                              compile="auto", cudagraphs=False, drift_measure=False)
+    args = ablation_args(tmp_path)
     plain, tail = ab.run_config(args, "mxfp4", 0), ab.run_config(args, "mxfp4_fprop_tail7", 0)
     assert plain.bf16_phase_start is None and tail.adahop == plain.adahop
     assert (tail.bf16_phase_start, tuple(tail.bf16_phase_gemms)) == (0.93, ("fprop",))
@@ -226,18 +222,26 @@ def test_ablation_fprop_tail_variant_of_naive_mxfp4(tmp_path):
 
 def test_the_named_tail_recipe_is_the_measured_variant(tmp_path):
     """adahop train's adahop_lv2_tail is the run the ablation measured as lv2_bf16_fprop_tail."""
-    import argparse
-
     from adahop.train.recipes import preset
 
     ab = load("ablation")
-    args = argparse.Namespace(out=str(tmp_path), corpus=str(tmp_path / "corpus"), preset="h200_125m", steps=None,
-                              lr=None, compile="auto", cudagraphs=False, drift_measure=False)
+    args = ablation_args(tmp_path, "h200_125m")
     measured = ab.run_config(args, "lv2_bf16_fprop_tail", 0)
     named = preset("h200_125m", recipe="adahop_lv2_tail", seed=0)
     fields = ("adahop", "bf16_phase_start", "bf16_phase_gemms", "steps", "model_size")
     assert {f: getattr(named, f) for f in fields} == {f: getattr(measured, f) for f in fields}
     assert named.recipe == "adahop_lv2"
+
+
+def test_ablation_model_size_confirms_at_another_size_and_keeps_sizes_apart(tmp_path):
+    """--model-size runs the preset's schedule at another size; runs of two sizes never pair."""
+    ab = load("ablation")
+    small, large = ab.run_config(ablation_args(tmp_path), "lv2", 0), ab.run_config(ablation_args(
+        tmp_path, model_size="350m"), "lv2", 0)
+    assert (small.model_size, large.model_size) == ("tiny", "350m") and small.steps == large.steps
+    with pytest.raises(SystemExit, match="not comparable: they differ in model_size"):
+        ab.check_comparable([{"variant": "lv2", "seed": 0, "settings": ab.comparable_settings(small)},
+                             {"variant": "bf16", "seed": 0, "settings": ab.comparable_settings(large)}])
 
 
 def test_ablation_grad_rne_variants_round_only_the_gradient_to_nearest():
