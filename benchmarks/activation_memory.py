@@ -115,8 +115,9 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=160,
                    help="tokens of the traced step: a multiple of 32 whose T, T/2 and T/32 are none of the "
                         "model's dims, so that a shape tells an activation (default: %(default)s)")
-    p.add_argument("--share-input", choices=("on", "off", "both"), default="off",
-                   help="AdaHOPConfig.share_input of the converted model (both: each recipe both ways)")
+    p.add_argument("--share-input", choices=("on", "off", "both"), default="on",
+                   help="AdaHOPConfig.share_input of the converted model (on: the library's default; both: each "
+                        "recipe both ways) (default: %(default)s)")
     p.add_argument("--modes", default=None, help="modes.json for the adaptive recipes (the same model size)")
     p.add_argument("--project-tokens", type=int, default=32768,
                    help="tokens per step of the projection in the table (default: %(default)s, 64 x 512)")

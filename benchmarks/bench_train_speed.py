@@ -23,7 +23,7 @@ against both BF16 runs. Per run:
   parameters and optimizer state alone);
 - the training loss of every step, and how many layers run each mode per GEMM;
 - with ``--share-input both``, each recipe twice: the layers that read one activation quantizing
-  it once, then each its own (the default; ``AdaHOPConfig.share_input``);
+  it once (the library's default, ``AdaHOPConfig.share_input``), then each its own;
 - with ``--profile-steps N``: device time per step over N steps after P1 (CUDA kernels from
   ``torch.profiler``; on the CPU, self CPU time per op), and the top kernels.
 
@@ -187,7 +187,7 @@ def profile_summary(prof, steps: int, cuda: bool) -> dict:
 
 
 # ---- the sequence of runs ----------------------------------------------------------------------------------
-def sequence(recipes: list[str], share_input: str = "off") -> list[tuple[str, str]]:
+def sequence(recipes: list[str], share_input: str = "on") -> list[tuple[str, str]]:
     """(recipe, --share-input) of each run: bf16, the other recipes in order (with ``both``, each
     with x quantized once per group, then per layer), bf16."""
     shares = ("on", "off") if share_input == "both" else (share_input,)
@@ -269,9 +269,9 @@ def parse_args(argv=None):
     g.add_argument("--min-features", type=int, default=None, metavar="N",
                    help="the size rule: linears whose layer size, 2*in*out/(in+out), is below N stay BF16 (default: "
                         "the preset's, adahop.convert.MIN_FEATURES; 3072 is adahop.convert.HOPPER_MIN_FEATURES)")
-    g.add_argument("--share-input", choices=("on", "off", "both"), default="off",
-                   help="layers that read one activation quantize it once (on), per layer (off: the library's "
-                        "default), or each recipe runs both ways (both) (default: %(default)s)")
+    g.add_argument("--share-input", choices=("on", "off", "both"), default="on",
+                   help="layers that read one activation quantize it once (on: the library's default), per layer "
+                        "(off), or each recipe runs both ways (both) (default: %(default)s)")
     g = p.add_argument_group("measurement")
     g.add_argument("--steps", nargs=2, type=int, default=[30, 60], metavar=("P0", "P1"),
                    help="the timed window: steps after P0 up to P1 (default: 30 60)")

@@ -188,6 +188,12 @@ def test_a_split_run_resumes_exactly_and_refuses_another_split(tmp_path):
     del old["calibration_micro_batches"]
     assert TrainConfig.from_dict(old).calibration_micro_batches == 1
     assert resume_conflicts(old, config(tmp_path, steps=5)) == []
+    # a run saved with x quantized per layer resumes with it shared (the same bits), not with other numerics
+    shared = config(tmp_path, steps=5)
+    old["adahop"]["share_input"] = not shared.adahop.share_input
+    assert resume_conflicts(old, shared) == []
+    old["adahop"]["tau"] = 2 * shared.adahop.tau
+    assert [c.split(":")[0] for c in resume_conflicts(old, shared)] == ["adahop.tau"]
 
 
 def test_the_flag_reaches_the_run(corpus, tmp_path, capsys):

@@ -125,9 +125,9 @@ class AdaHOPConfig:
     value_fprop: str | None = None
     # Layers that read one activation (q, k, v; w1, w3 in ``train.model``) quantize it once
     # where their settings for it agree: the same bits as quantizing it per layer, fewer passes
-    # (``shared_input``). Off until a training step on the GPU shows it faster (docs/method.md,
-    # 'Layers that read one activation').
-    share_input: bool = False
+    # and fewer saved copies (``shared_input``; measured faster and smaller at 1B: docs/method.md,
+    # 'Layers that read one activation'). False calls the layers one by one.
+    share_input: bool = True
     tau: float = DEFAULT_TAU
     backend: str = "auto"
     seed: int = 0

@@ -41,7 +41,7 @@ Precision (docs/method.md, 'The three GEMMs of a linear layer'): the seven linea
 training; the embedding, the norms, attention's own matmuls and the LM head ``output`` stay in
 high precision (``output`` is skipped by name by the default filter, and when tied its weight is
 the embedding's). The layers that read one activation (wq, wk, wv; w1, w3) are called together
-(``adahop.shared_input``): converted with ``share_input=True``, they quantize it once. Under
+(``adahop.shared_input``): they quantize it once (``AdaHOPConfig.share_input``). Under
 ``torch.autocast(..., dtype=torch.bfloat16)`` the logits come out in bf16; upcast them for the
 loss. The residual stream stays float32 (the embedding's dtype) in that case. Prefer autocast to
 ``model.to(torch.bfloat16)``, which would round the RoPE tables to bf16 too.

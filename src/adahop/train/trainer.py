@@ -310,6 +310,7 @@ class StopTraining(Exception):  # noqa: N818  (a signal, not an error)
 # their GEMMs differ only in accumulation order.)
 # (``parallel`` may change between ddp and fsdp2: their sharded checkpoints are the same format.)
 # (``quantized_all_gather`` may change: it gathers the operand the layer would quantize, bit for bit.)
+# (``adahop.share_input`` may change: the layers that read one x give the same bits either way.)
 # (``init`` may not: it names what the run's weights started from. A resumed run's weights are
 # the checkpoint's, loaded over the freshly loaded pretrained ones.)
 RESUMABLE_CHANGES = ("out_dir", "corpus_dir", "device", "compile", "cudagraphs", "progress", "log_every", "sync_every",
@@ -324,7 +325,7 @@ def resume_conflicts(saved: dict, cfg: TrainConfig) -> list[str]:
     a, b = TrainConfig.from_dict(saved).to_dict(), cfg.to_dict()
     a["adahop"]["policy_fn"] = (saved.get("adahop") or {}).get("policy_fn")
     out = [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if k not in RESUMABLE_CHANGES and k != "adahop" and a[k] != b[k]]
-    qa, qb = dict(a["adahop"], backend=None), dict(b["adahop"], backend=None)
+    qa, qb = dict(a["adahop"], backend=None, share_input=None), dict(b["adahop"], backend=None, share_input=None)
     out += [f"adahop.{k}: {qa[k]!r} -> {qb[k]!r}" for k in qa if qa[k] != qb[k]]
     return out
 
