@@ -231,6 +231,25 @@ def test_gqa_attention_equals_mha_written_by_hand():
     assert torch.allclose(attn(x, cos, sin), _mha_by_hand(attn, x), atol=1e-5)
 
 
+def test_attention_repeats_kv_only_where_the_fused_kernel_needs_it(monkeypatch):
+    """Where SDPA's fused kernel takes G heads (bf16 or fp16 on a GPU, the CPU) k and v go in as
+    they are; elsewhere (float32 on a GPU) repeated to H heads. Both give the same attention."""
+    from adahop.train import model as model_module
+
+    assert model_module.fused_kernel_reads_kv_heads(torch.zeros(1, device="cpu"))
+    assert model_module.fused_kernel_reads_kv_heads(torch.zeros(1, device="meta", dtype=torch.bfloat16))
+    assert not model_module.fused_kernel_reads_kv_heads(torch.zeros(1, device="meta"))  # float32, not the CPU
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, h, 12, 16, generator=g, requires_grad=True) for h in (4, 2, 2))
+    direct = model_module.causal_attention(q, k, v)
+    grads = torch.autograd.grad(direct.square().sum(), (q, k, v))
+    monkeypatch.setattr(model_module, "fused_kernel_reads_kv_heads", lambda q: False)
+    repeated = model_module.causal_attention(q, k, v)
+    assert torch.equal(direct, repeated)
+    for a, b in zip(grads, torch.autograd.grad(repeated.square().sum(), (q, k, v))):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
 def test_gqa_model_equals_mha_model_with_repeated_kv_weights():
     gqa = tiny()
     mha = tiny(n_kv_heads=4)

@@ -30,9 +30,10 @@ Pieces:
 * **Grouped-query attention**: G <= H key/value heads, each shared by H / G query heads. With
   G = H it is ordinary multi-head attention; it shrinks wk, wv and the KV activations by H / G.
   The attention matmuls themselves are ``F.scaled_dot_product_attention(is_causal=True,
-  enable_gqa=True)``: the kernel reads the G heads where H are asked for, so neither the forward
-  nor its saved tensors hold k and v repeated H / G times (at Llama-3.2-1B's shape, 6 KB a token
-  in each block), and the backward sums each kv head's gradient over its query heads.
+  enable_gqa=True)`` (``causal_attention``): the kernel reads the G heads where H are asked for,
+  so neither the forward nor its saved tensors hold k and v repeated H / G times (at
+  Llama-3.2-1B's shape, 6 KB a token in each block), and the backward sums each kv head's
+  gradient over its query heads.
 * **Tied embeddings** (``tie_embeddings=True``, as Llama-3.2-1B): ``output.weight`` *is*
   ``tok_embeddings.weight``.
 
@@ -202,6 +203,26 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [B, H, T, d], k and v [B, G, T, d] -> [B, H, T, d]; query head i reads kv head i // (H / G).
+
+    Where the fused kernel takes G heads (FlashAttention: bf16 or fp16 on a GPU; the CPU's kernels)
+    k and v stay at G heads, so the repeated copies are neither written nor saved for the backward.
+    Elsewhere (float32 on a GPU) only the memory-efficient kernel is fused, and it takes H heads:
+    k and v are repeated first, or SDPA would fall back to its unfused math."""
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep == 1:
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if fused_kernel_reads_kv_heads(q):
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return nn.functional.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True)
+
+
+def fused_kernel_reads_kv_heads(q: torch.Tensor) -> bool:
+    """Whether SDPA has a fused kernel that takes fewer key/value heads than ``q`` has heads."""
+    return q.device.type == "cpu" or q.dtype in (torch.bfloat16, torch.float16)
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention with RoPE on q and k."""
 
@@ -220,11 +241,9 @@ class Attention(nn.Module):
         k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, T, d]
         v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, T, d]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # k and v stay at G heads: the attention kernel reads kv head i // (H / G) for query head
-        # i, so the repeated copies are neither written nor saved for the backward
-        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                       enable_gqa=self.n_heads != self.n_kv_heads)  # [B, H, T, d]
+        a = causal_attention(q, k, v)  # [B, H, T, d]
         return self.wo(a.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
 
 
 class FeedForward(nn.Module):
