@@ -201,6 +201,17 @@ def test_a_finished_run_is_left_as_it_is(corpus, tmp_path, capsys):
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == files
 
 
+def test_quickstart_checks_every_run_before_it_builds_the_corpus(tmp_path, capsys, monkeypatch):
+    import adahop.train.data as data_mod
+
+    built = []
+    monkeypatch.setattr(data_mod, "build_corpus", lambda out, **kw: built.append(out))
+    args = ["quickstart", "--root", str(tmp_path / "qs"), "--steps", "2", "--recipes", "bf16", "adahop_lv2_tail"]
+    assert cli.main(args) == 2
+    one_line_error(capsys, "recipe adahop_lv2_tail", "give at least 37 steps")
+    assert built == []
+
+
 def test_quickstart_twice_leaves_the_first_runs_as_they_are(corpus, tmp_path, capsys, monkeypatch):
     import shutil
 

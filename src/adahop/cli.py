@@ -196,12 +196,16 @@ def run_quickstart(args) -> str:
     from adahop.train.run_folder import ensure_writable_dir
 
     root = ensure_writable_dir(args.root, "--root")
-    build_corpus(root / "corpus", sources=["shakespeare"], tokenizer="bpe-8192")
-    dirs = []
+    runs = []
     for recipe in args.recipes:
         steps = ["--steps", str(args.steps)] if args.steps else []
         targs = parse_args(["train", "--recipe", recipe, "--preset", "cpu", "--corpus", str(root / "corpus"),
                             "--out", str(root / f"cpu-{recipe}"), *steps])
+        train_config(targs)  # every run's settings checked before the corpus is built
+        runs.append(targs)
+    build_corpus(root / "corpus", sources=["shakespeare"], tokenizer="bpe-8192")
+    dirs = []
+    for targs in runs:
         run_train(targs)
         dirs.append(targs.out)
     table = compare_runs(dirs, root / "loss_curves.png")
