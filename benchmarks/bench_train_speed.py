@@ -21,7 +21,7 @@ against both BF16 runs. Per run:
   --cudagraphs: a replay allocates nothing, its memory is the graphs' pool, made when they were
   recorded, and the allocator counts none of it once the peak is reset, so it would read as the
   parameters and optimizer state alone);
-- the training loss of every step, and how many layers run each mode per GEMM;
+- the training loss of every step, each converted layer's modes and how many layers run each mode per GEMM;
 - with ``--share-input both``, each recipe twice: the layers that read one activation quantizing
   it once (the library's default, ``AdaHOPConfig.share_input``), then each its own;
 - with ``--profile-steps N``: device time per step over N steps after P1 (CUDA kernels from
@@ -146,11 +146,20 @@ def measure(args, recipe: str) -> dict:
             "losses": summary["losses"],
         }
         row["mode_counts"] = mode_counts(model)
+        row["modes"] = layer_modes(model)
         if n_prof:
             row.update(profile_steps=n_prof, **{k: state[k] for k in ("profiled", "device_ms_per_step", "top")})
         return row
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def layer_modes(model) -> dict[str, dict[str, str] | None]:
+    """Each converted layer's modes by GEMM (None while it calibrates): which layers, e.g. of
+    which width, keep x in BF16 for a BF16 wgrad."""
+    from adahop.convert import adahop_layers
+
+    return {fqn: None if layer.modes is None else dict(layer.modes) for fqn, layer in adahop_layers(model).items()}
 
 
 def mode_counts(model) -> dict[str, dict[str, int]]:

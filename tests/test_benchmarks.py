@@ -16,6 +16,7 @@ test_offline_compile.py.
 """
 
 import argparse
+import collections
 import importlib
 import json
 import math
@@ -328,6 +329,8 @@ def test_bench_train_speed_end_to_end(corpus, tmp_path, capsys):
         assert r["peak_memory_bytes"] is r["steady_peak_memory_bytes"] is None  # CUDA's counters only
         assert r["calibration_micro_batches"] == 1 and r["min_features"] == 0  # the size rule: the default
         assert len(r["losses"]) == 4 and all(math.isfinite(v) for v in r["losses"])
+        for gemm, counts in r["mode_counts"].items():  # the per-layer modes add up to the counts
+            assert counts == dict(collections.Counter(m[gemm] for m in r["modes"].values()))
         assert r["env"]["adahop"] and r["env"]["command"].startswith("python benchmarks/bench_train_speed.py")
     # the same model, data and seed: the two bf16 runs train to the same losses, and mxfp4 to the
     # same losses whether its q, k, v (w1, w3) quantize x once or each its own
