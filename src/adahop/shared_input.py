@@ -14,8 +14,8 @@ without this module: a layer that is not an ``AdaHOPLinear``, is calibrating (it
 eagerly) or plain ``F.linear`` (the bf16 recipe), has a bias, a forward hook (a hook, e.g. the
 outlier study's or a sharded wrapper's, expects its own call) or a weight that is a tensor
 subclass (FSDP2's quantized all-gather hands the layer's own op a gathered MXFP4 weight; a
-DTensor), or a config with ``share_input=False`` (docs/method.md, 'Layers that read one activation'); or
-when no two layers would quantize x alike.
+DTensor), or a config with ``share_input=False`` (docs/method.md, 'Layers that read one
+activation'); or when no two layers would quantize x alike.
 """
 
 from __future__ import annotations
