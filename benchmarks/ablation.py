@@ -201,7 +201,9 @@ def run_config(args, name: str, seed: int):
     overrides = dict(seed=seed, out_dir=str(out), corpus_dir=args.corpus, steps=args.steps, lr=args.lr,
                      model_size=args.model_size, progress=False, compile=args.compile,
                      cudagraphs=args.cudagraphs or None)
-    base = preset(args.preset, **overrides).adahop
+    # the preset's AdaHOP settings that scale with the model (calibration length, backend, OE k);
+    # the variant brings its own numerics and schedule
+    base = preset(args.preset, recipe="adahop_lv2", **overrides).adahop
     numerics = variant_config(name, base, seed)
     if args.drift_measure and numerics.adaptive:
         overrides["drift"] = "measure"  # logged only: the trajectory is the same (analyze.drift)

@@ -353,8 +353,8 @@ def test_cli_on_a_run_folder(tmp_path, capsys):
     corpus, run, rep = tmp_path / "corpus", tmp_path / "run", tmp_path / "rep"
     src = S.cpython_stdlib_source(modules=("json", "textwrap", "string", "argparse"), name="stdlib-mini")
     D.build_corpus(corpus, sources=[src], tokenizer="byte", progress=False)
-    assert cli.main(["train", "--preset", "debug", "--corpus", str(corpus), "--out", str(run), "--steps", "2",
-                     "--seq-len", "32", "--no-progress"]) == 0
+    assert cli.main(["train", "--preset", "debug", "--recipe", "adahop_lv2", "--corpus", str(corpus), "--out", str(run),
+                     "--steps", "2", "--seq-len", "32", "--no-progress"]) == 0
     capsys.readouterr()
     assert cli.main(["analyze", "--model", f"run:{run}", "--steps", "2", "--tokens", "128", "--layers",
                      r"layers\.1\.", "--oe-k", "4", "--policy-oe-k", "4", "--out", str(rep), "--no-progress"]) == 0

@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -206,10 +207,28 @@ def test_quickstart_checks_every_run_before_it_builds_the_corpus(tmp_path, capsy
 
     built = []
     monkeypatch.setattr(data_mod, "build_corpus", lambda out, **kw: built.append(out))
-    args = ["quickstart", "--root", str(tmp_path / "qs"), "--steps", "2", "--recipes", "bf16", "adahop_lv2_tail"]
+    args = ["quickstart", "--root", str(tmp_path / "qs"), "--steps", "2"]  # the default recipes: bf16, adahop_lv2_tail
     assert cli.main(args) == 2
-    one_line_error(capsys, "recipe adahop_lv2_tail", "give at least 37 steps")
+    one_line_error(capsys, "recipe adahop_lv2_tail", "give at least 37 steps", "or recipe adahop_lv2")
     assert built == []
+
+
+def test_quickstart_trains_bf16_and_the_default_recipe_on_the_cpu_preset(tmp_path, monkeypatch):
+    """The README's main job as it stands: bf16 and adahop train's default recipe, the cpu preset's
+    300 steps (long enough for adahop_lv2_tail's phase), then the comparison."""
+    import adahop.train.compare as compare_mod
+    import adahop.train.data as data_mod
+    from adahop.train.recipes import DEFAULT_RECIPE
+
+    trained, order = [], []
+    monkeypatch.setattr(data_mod, "build_corpus", lambda out, **kw: order.append("corpus"))
+    monkeypatch.setattr(cli, "run_train", lambda a: (order.append("train"), trained.append(cli.train_config(a))))
+    monkeypatch.setattr(compare_mod, "compare_runs", lambda dirs, plot: order.append("compare") or "table")
+    assert cli.main(["quickstart", "--root", str(tmp_path / "qs")]) == 0
+    assert DEFAULT_RECIPE == "adahop_lv2_tail" and order == ["corpus", "train", "train", "compare"]
+    assert [(Path(c.out_dir).name, c.recipe, c.steps, c.bf16_phase_start, c.bf16_phase_gemms) for c in trained] == [
+        ("cpu-bf16", "bf16", 300, None, ("fprop", "dgrad", "wgrad")),
+        ("cpu-adahop_lv2_tail", "adahop_lv2", 300, 0.82, ("fprop",))]
 
 
 def test_quickstart_twice_leaves_the_first_runs_as_they_are(corpus, tmp_path, capsys, monkeypatch):
@@ -219,11 +238,12 @@ def test_quickstart_twice_leaves_the_first_runs_as_they_are(corpus, tmp_path, ca
 
     monkeypatch.setattr(data_mod, "build_corpus", lambda out, **kw: shutil.copytree(corpus, out, dirs_exist_ok=True))
     root = tmp_path / "qs"
-    assert cli.main(["quickstart", "--root", str(root), "--steps", "2"]) == 0
+    quick = ["quickstart", "--root", str(root), "--steps", "2", "--recipes", "bf16", "adahop_lv2"]
+    assert cli.main(quick) == 0
     first = capsys.readouterr().out
     summaries = {r: (root / f"cpu-{r}" / "summary.json").read_bytes() for r in ("bf16", "adahop_lv2")}
     logs = {r: (root / f"cpu-{r}" / "log.jsonl").read_bytes() for r in ("bf16", "adahop_lv2")}
-    assert cli.main(["quickstart", "--root", str(root), "--steps", "2"]) == 0
+    assert cli.main(quick) == 0
     second = capsys.readouterr().out
     assert second.count("has finished already") == 2
     assert {r: (root / f"cpu-{r}" / "summary.json").read_bytes() for r in summaries} == summaries
@@ -392,6 +412,22 @@ def test_a_scheduled_recipe_is_its_numerics_and_its_bf16_phase(corpus, tmp_path,
     assert cli.main(train_args(corpus, tmp_path / "short", recipe="adahop_lv2_tail", steps=3)) == 2
     one_line_error(capsys, "recipe adahop_lv2_tail runs fprop in BF16 from 82% of the steps on",
                    "give at least 4 steps, or recipe adahop_lv2")
+
+
+def test_the_default_recipe_is_the_tail_and_an_own_config_runs_no_phase():
+    """adahop train and preset() default to adahop_lv2_tail; an experiment's own AdaHOP config
+    (preset's ``adahop``) gets no phase unless it names one."""
+    from adahop.config import AdaHOPConfig
+    from adahop.train.recipes import preset
+
+    default = preset("debug")
+    assert (default.recipe, default.bf16_phase_start, default.bf16_phase_gemms) == ("adahop_lv2", 0.82, ("fprop",))
+    assert cli.parse_args(["train"]).recipe == "adahop_lv2_tail"
+    own = AdaHOPConfig.from_recipe_name("mxfp4")
+    assert preset("debug", adahop=own).bf16_phase_start is None
+    assert preset("debug", adahop=own, steps=3).steps == 3  # no phase, so no refusal of a short run
+    assert preset("debug", adahop=own, bf16_phase_start=0.5).bf16_phase_start == 0.5
+    assert preset("debug", recipe="adahop_lv2").bf16_phase_start is None
 
 
 def test_drift_is_measured_at_the_final_evaluation(corpus, tmp_path):

@@ -4,7 +4,8 @@ torchtitan way: a preset is code, so it can compute, and a diff shows what a pre
 "preset" = how big and how long (model size, batch, steps, schedule, and the AdaHOP settings that
 scale with the model: calibration length, OE k); the AdaHOP *recipe* (bf16, mxfp4, ...,
 adahop_lv2) is chosen separately, so that every recipe runs on the same preset and the comparison
-is fair. Each preset takes the recipe's name.
+is fair. Each preset function takes a numerics recipe's name (``AdaHOPConfig.from_recipe_name``);
+``preset`` also takes the names of ``SCHEDULED_RECIPES``.
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ from adahop.config import RECIPES, AdaHOPConfig
 from adahop.train.precision import phase_switch_step, validate_schedule
 from adahop.train.trainer import TrainConfig
 
-DEFAULT_RECIPE = "adahop_lv2"
+# adahop train's recipe when none is named: adahop_lv2 with the forward in BF16 for the last 18% of
+# the steps, the smallest gap to bf16 measured (docs/method.md, 'Recipes'). The library's layers
+# (AdaHOPConfig, convert) default to adahop_lv2: a schedule belongs to a training run.
+DEFAULT_RECIPE = "adahop_lv2_tail"
 
 # Named recipes that add a precision schedule (TrainConfig fields) to a numerics recipe. A schedule
 # is training-side, so these names are ``preset``'s and ``adahop train``'s, not
 # ``AdaHOPConfig.from_recipe_name``'s; a schedule field given as an override wins.
 SCHEDULED_RECIPES: dict[str, tuple[str, dict]] = {
     # adahop_lv2 with the forward GEMM in BF16 for the last 18% of the steps: the smallest gap to
-    # bf16 measured at 125M (docs/method.md, 'Recipes')
+    # bf16 measured, at 125M and on SmolLM2 (docs/method.md, 'Recipes')
     "adahop_lv2_tail": ("adahop_lv2", {"bf16_phase_start": 0.82, "bf16_phase_gemms": ("fprop",)}),
 }
 TRAIN_RECIPES = (*RECIPES, *SCHEDULED_RECIPES)
@@ -33,7 +37,7 @@ def numerics(recipe: str, *, calibration_steps: int, oe_k: int) -> AdaHOPConfig:
     return AdaHOPConfig.from_recipe_name(recipe, calibration_steps=calibration_steps).with_gemm_settings(oe_k=oe_k)
 
 
-def debug(recipe: str = DEFAULT_RECIPE) -> TrainConfig:
+def debug(recipe: str) -> TrainConfig:
     """Seconds on a CPU: the tiny model, a few steps. For tests and smoke runs."""
     return TrainConfig(
         adahop=numerics(recipe, calibration_steps=3, oe_k=4),
@@ -42,7 +46,7 @@ def debug(recipe: str = DEFAULT_RECIPE) -> TrainConfig:
     )
 
 
-def cpu(recipe: str = DEFAULT_RECIPE) -> TrainConfig:
+def cpu(recipe: str) -> TrainConfig:
     """A few minutes on 2 CPU cores: the README's main job."""
     return dataclasses.replace(
         debug(recipe), adahop=numerics(recipe, calibration_steps=30, oe_k=4),
@@ -51,7 +55,7 @@ def cpu(recipe: str = DEFAULT_RECIPE) -> TrainConfig:
     )
 
 
-def h200(recipe: str = DEFAULT_RECIPE) -> TrainConfig:
+def h200(recipe: str) -> TrainConfig:
     """One H200, under 10 minutes per recipe: the 20M model, 2000 steps of 64 x 512 tokens
     (65M tokens), the paper's optimizer settings but a higher peak lr for the small model."""
     return dataclasses.replace(
@@ -61,13 +65,13 @@ def h200(recipe: str = DEFAULT_RECIPE) -> TrainConfig:
     )
 
 
-def h200_125m(recipe: str = DEFAULT_RECIPE) -> TrainConfig:
+def h200_125m(recipe: str) -> TrainConfig:
     """The 125M model on one H200: 1000 steps of 64 x 512 tokens (32.8M tokens); the other
     settings are ``h200``'s. docs/results.md has its speed per recipe."""
     return dataclasses.replace(h200(recipe), model_size="125m", steps=1000)
 
 
-def h200_smollm2(recipe: str = DEFAULT_RECIPE) -> TrainConfig:
+def h200_smollm2(recipe: str) -> TrainConfig:
     """Continued pretraining of SmolLM2-135M on one H200: 500 steps of 16 x 1024 tokens (8.2M
     tokens) from the pretrained weights, a fine-tuning learning rate (1e-4, 30 warm-up steps,
     cosine to 0.1x), 20 calibration steps, one evaluation at the end. Needs a corpus built with
@@ -79,7 +83,7 @@ def h200_smollm2(recipe: str = DEFAULT_RECIPE) -> TrainConfig:
     )
 
 
-def cpu_smollm2(recipe: str = DEFAULT_RECIPE) -> TrainConfig:
+def cpu_smollm2(recipe: str) -> TrainConfig:
     """SmolLM2-135M on a CPU, as a smoke run of continued pretraining: 6 steps of 2 x 64 tokens
     (about 2.5 s a BF16 step on one core; MXFP4 steps on the reference backend are several times
     slower), 3 calibration steps."""
@@ -99,12 +103,13 @@ ADAHOP_OVERRIDES = ("recipe", "calibration_steps", "calibration_gemms", "dgrad_w
 
 def preset(name: str, *, adahop: AdaHOPConfig | None = None, **overrides) -> TrainConfig:
     """Preset ``name`` with ``overrides`` (None values are ignored, so a CLI's unset options pass
-    through). ``recipe`` picks the recipe; ``calibration_steps``, ``calibration_gemms``, ``dgrad_weight``,
-    ``value_fprop``, ``oe_k`` (all GEMMs) and ``backend`` change the AdaHOP side; ``adahop`` replaces the
-    AdaHOP config as a whole (an experiment's own variant), before those; ``seed`` sets both the training
-    seed and the SR seed; every other name is a TrainConfig field. ``recipe`` is one of
-    ``TRAIN_RECIPES``: a numerics recipe, or a name of ``SCHEDULED_RECIPES`` (a numerics recipe and
-    a BF16 phase)."""
+    through). ``recipe`` picks the recipe (default ``DEFAULT_RECIPE``); ``calibration_steps``,
+    ``calibration_gemms``, ``dgrad_weight``, ``value_fprop``, ``oe_k`` (all GEMMs) and ``backend``
+    change the AdaHOP side; ``adahop`` replaces the AdaHOP config as a whole (an experiment's own
+    variant), before those, and brings no BF16 phase but one given as an override; ``seed`` sets
+    both the training seed and the SR seed; every other name is a TrainConfig field. ``recipe`` is
+    one of ``TRAIN_RECIPES``: a numerics recipe, or a name of ``SCHEDULED_RECIPES`` (a numerics
+    recipe and a BF16 phase)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {tuple(PRESETS)}")
     overrides = {k: v for k, v in overrides.items() if v is not None}
@@ -119,6 +124,8 @@ def preset(name: str, *, adahop: AdaHOPConfig | None = None, **overrides) -> Tra
     if recipe not in TRAIN_RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}; known recipes: {TRAIN_RECIPES}")
     numerics_recipe, schedule = SCHEDULED_RECIPES.get(recipe, (recipe, {}))
+    if adahop is not None:
+        schedule = {}  # an experiment's own config runs no schedule it did not name (an override)
     cfg = dataclasses.replace(PRESETS[name](numerics_recipe), **schedule)
     q = adahop or cfg.adahop
     if "calibration_steps" in overrides:
