@@ -418,7 +418,7 @@ def test_the_default_recipe_is_the_tail_and_an_own_config_runs_no_phase():
     """adahop train and preset() default to adahop_lv2_tail; an experiment's own AdaHOP config
     (preset's ``adahop``) gets no phase unless it names one."""
     from adahop.config import AdaHOPConfig
-    from adahop.train.recipes import preset
+    from adahop.train.recipes import preset, recipe_label
 
     default = preset("debug")
     assert (default.recipe, default.bf16_phase_start, default.bf16_phase_gemms) == ("adahop_lv2", 0.82, ("fprop",))
@@ -428,6 +428,13 @@ def test_the_default_recipe_is_the_tail_and_an_own_config_runs_no_phase():
     assert preset("debug", adahop=own, steps=3).steps == 3  # no phase, so no refusal of a short run
     assert preset("debug", adahop=own, bf16_phase_start=0.5).bf16_phase_start == 0.5
     assert preset("debug", recipe="adahop_lv2").bf16_phase_start is None
+    # a run's recipe in the tables and messages: the scheduled name, else the numerics and the phase
+    assert recipe_label(default) == "adahop_lv2_tail" and recipe_label(preset("debug", recipe="bf16")) == "bf16"
+    assert recipe_label(preset("debug", recipe="adahop_lv2")) == "adahop_lv2"
+    assert recipe_label(preset("debug", recipe="adahop_lv2", bf16_phase_start=0.5)) == \
+        "adahop_lv2, fprop/dgrad/wgrad BF16 from 50%"
+    assert recipe_label(preset("debug", recipe="mxfp4", bf16_phase_start=0.9, bf16_phase_gemms=("fprop",))) == \
+        "mxfp4, fprop BF16 from 90%"
 
 
 def test_drift_is_measured_at_the_final_evaluation(corpus, tmp_path):

@@ -88,6 +88,7 @@ def run_train(args) -> dict:
     import torch
 
     from adahop.train.data import load_corpus
+    from adahop.train.recipes import recipe_label
     from adahop.train.run import eval_fn_of, open_run
     from adahop.train.run_folder import ensure_writable_dir
     from adahop.train.trainer import train
@@ -118,10 +119,11 @@ def run_train(args) -> dict:
     if _rank():  # under torchrun, rank 0 says it for the run
         pass
     elif summary.get("already_finished"):
-        print(f"{cfg.out_dir} has finished already ({summary['steps']} steps of {cfg.recipe}); left as it is. "
-              f"Held-out {desc or '-'}. Give a new --out (or --no-resume) to train again.")
+        print(f"{cfg.out_dir} has finished already ({summary['steps']} steps of {recipe_label(cfg)}); left as it "
+              f"is. Held-out {desc or '-'}. Give a new --out (or --no-resume) to train again.")
     else:
-        print(f"{cfg.recipe}: {summary['steps']} steps, {summary['tokens_per_s'] or 0:.0f} tok/s; held-out {desc}")
+        print(f"{recipe_label(cfg)}: {summary['steps']} steps, {summary['tokens_per_s'] or 0:.0f} tok/s; "
+              f"held-out {desc}")
     return summary
 
 

@@ -32,6 +32,18 @@ SCHEDULED_RECIPES: dict[str, tuple[str, dict]] = {
 TRAIN_RECIPES = (*RECIPES, *SCHEDULED_RECIPES)
 
 
+def recipe_label(cfg: TrainConfig) -> str:
+    """A run's recipe as ``adahop train`` names it: the name of ``SCHEDULED_RECIPES`` whose
+    numerics recipe and BF16 phase the run has, else its numerics recipe, with the BF16 phase it
+    ran where it has one of its own."""
+    for name, (numerics_recipe, schedule) in SCHEDULED_RECIPES.items():
+        if cfg.recipe == numerics_recipe and all(getattr(cfg, k) == v for k, v in schedule.items()):
+            return name
+    if cfg.bf16_phase_start is None or cfg.recipe == "bf16":
+        return cfg.recipe
+    return f"{cfg.recipe}, {'/'.join(cfg.bf16_phase_gemms)} BF16 from {cfg.bf16_phase_start:.0%}"
+
+
 def numerics(recipe: str, *, calibration_steps: int, oe_k: int) -> AdaHOPConfig:
     """The AdaHOP config of ``recipe`` with a preset's calibration length and OE k (all GEMMs)."""
     return AdaHOPConfig.from_recipe_name(recipe, calibration_steps=calibration_steps).with_gemm_settings(oe_k=oe_k)
