@@ -393,7 +393,7 @@ def test_bf16_blocks_and_phase_reach_the_run(corpus, tmp_path, capsys):
         cli.main(train_args(corpus, tmp_path / "x") + ["--bf16-blocks", "1"])
 
 
-def test_a_scheduled_recipe_is_its_numerics_and_its_bf16_phase(corpus, tmp_path, capsys):
+def test_a_scheduled_recipe_is_its_numerics_and_its_bf16_phase(corpus, tmp_path, capsys, monkeypatch):
     """adahop_lv2_tail is adahop_lv2 with the forward in BF16 from 82% of the steps on: the run
     records both, switches at step floor(0.82 * 10) = 8, and an explicit --bf16-phase wins."""
     run = tmp_path / "tail"
@@ -408,6 +408,17 @@ def test_a_scheduled_recipe_is_its_numerics_and_its_bf16_phase(corpus, tmp_path,
     own = tmp_path / "own"
     assert cli.main(train_args(corpus, own, recipe="adahop_lv2_tail", steps=10) + ["--bf16-phase", "0.5"]) == 0
     assert json.loads((own / "config.json").read_text())["bf16_phase_start"] == 0.5
+    # compare names both by what was run, and marks where each phase began on the plot
+    import adahop.train.plot as plot_mod
+
+    marked = {}
+    monkeypatch.setattr(plot_mod, "plot_loss_curves", lambda curves, path, **kw: marked.update(kw["bf16_phases"]))
+    capsys.readouterr()
+    assert cli.main(["compare", str(run), str(own), "--plot", str(tmp_path / "c.png")]) == 0
+    out = capsys.readouterr().out
+    assert "| tail | adahop_lv2_tail | 10 |" in out
+    assert "| own | adahop_lv2, fprop/dgrad/wgrad BF16 from 50% | 10 |" in out
+    assert marked == {"tail": (8, "fprop"), "own": (5, "fprop/dgrad/wgrad")}  # --bf16-phase 0.5: every GEMM
     # the debug preset calibrates for 3 steps: the phase must begin after them
     assert cli.main(train_args(corpus, tmp_path / "short", recipe="adahop_lv2_tail", steps=3)) == 2
     one_line_error(capsys, "recipe adahop_lv2_tail runs fprop in BF16 from 82% of the steps on",

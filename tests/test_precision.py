@@ -84,6 +84,16 @@ def test_bf16_phase_settings_are_checked():
     assert back.bf16_blocks == (1, 2) and back.bf16_phase_gemms == ("fprop", "wgrad")
 
 
+def test_the_switch_step_is_the_floor_of_the_decimal_fraction_of_the_steps():
+    """floor(0.82 * 300) is 246, though 0.82 * 300 is 245.99999999999997 in floats."""
+    from adahop.train.precision import phase_switch_step
+
+    assert 0.82 * 300 < 246
+    assert [phase_switch_step(n, 0.82) for n in (10, 300, 350, 370, 1000)] == [8, 246, 287, 303, 820]
+    assert phase_switch_step(7, 0.5) == 3 and phase_switch_step(3, 1 / 3) == 0 and phase_switch_step(10, None) is None
+    assert phase_switch_step(100, 0.07) == 7  # 0.07 * 100 = 7.000000000000001: no help needed, none harms
+
+
 def test_mxfp4_flop_share_counts_every_linear_and_the_oe_slices():
     from adahop.train.precision import mxfp4_flop_share
 

@@ -34,7 +34,7 @@ def compare_runs(run_dirs, plot_path=None) -> str:
     from adahop.train.plot import plot_loss_curves
     from adahop.train.recipes import recipe_label
 
-    rows, curves, calibration = [], {}, {}
+    rows, curves, calibration, phases = [], {}, {}, {}
     for d, label in zip(run_dirs, run_labels(run_dirs)):
         d = Path(d)
         try:
@@ -44,6 +44,9 @@ def compare_runs(run_dirs, plot_path=None) -> str:
         log = read_log(d)
         curves[label] = [r for r in log if "loss" in r]
         calibration[label] = cfg.adahop.calibration_steps if cfg.adahop.adaptive else None
+        switch = next((r for r in log if "bf16_phase" in r), None)  # where the run's BF16 phase began
+        if switch is not None:
+            phases[label] = (switch["step"], "/".join(switch["bf16_phase"]["gemms"]))
         final = next((r["final_eval"] for r in reversed(log) if "final_eval" in r), None)
         summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
         heldout = final["loss"] if final else math.nan
@@ -64,5 +67,6 @@ def compare_runs(run_dirs, plot_path=None) -> str:
     if plot_path:
         plot_loss_curves(curves, plot_path, title="training loss by run",
                          baseline=baseline[0] if baseline is not None else None,
-                         calibration_steps=max((c for c in calibration.values() if c), default=None))
+                         calibration_steps=max((c for c in calibration.values() if c), default=None),
+                         bf16_phases=phases)
     return table

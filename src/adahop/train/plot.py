@@ -50,13 +50,15 @@ def moving_average(values, k: int) -> list[float]:
 
 
 def plot_loss_curves(runs: dict[str, list[dict]], path: str | os.PathLike, *, title: str = "", smooth: int = 10,
-                     baseline: str | None = None, gap_smooth: int = 50, calibration_steps: int | None = None) -> Path:
+                     baseline: str | None = None, gap_smooth: int = 50, calibration_steps: int | None = None,
+                     bf16_phases: dict[str, tuple[int, str]] | None = None) -> Path:
     """``runs``: name -> training log records (``step``, ``loss``). Draws the raw loss faintly and
     a moving average of ``smooth`` steps on top (the legend says which is which). With
     ``baseline`` (a name in ``runs``), a lower panel shows every other run's loss minus the
     baseline's at the steps both logged, averaged over ``gap_smooth`` steps. With
-    ``calibration_steps``, the BF16 calibration window (steps 1 to that) is shaded. Writes
-    ``path`` (PNG)."""
+    ``calibration_steps``, the BF16 calibration window (steps 1 to that) is shaded. With
+    ``bf16_phases`` (name -> (steps done at the switch, the GEMMs switched)), a dashed line in the
+    run's colour marks where its BF16 phase began. Writes ``path`` (PNG)."""
     if baseline is not None and baseline not in runs:
         raise ValueError(f"baseline {baseline!r} is not one of the runs {list(runs)}")
     plt = pyplot("plotting")
@@ -85,6 +87,13 @@ def plot_loss_curves(runs: dict[str, list[dict]], path: str | os.PathLike, *, ti
             a.axvspan(0, calibration_steps, color="0.85", zorder=0)
         ax.plot([], [], color="0.85", linewidth=6,
                 label=f"adaptive recipes: BF16 calibration, steps 1-{calibration_steps}")
+    for i, name in enumerate(curves):
+        if name in (bf16_phases or {}):
+            step, gemms = bf16_phases[name]
+            for a in (ax, ax_gap) if with_gap else (ax,):
+                a.axvline(step, color=f"C{i % 10}", linestyle="--", linewidth=1.0)
+            ax.plot([], [], color=f"C{i % 10}", linestyle="--", linewidth=1.0,
+                    label=f"{name}: {gemms} in BF16 from step {step + 1}")
     ax.plot([], [], color="0.4", alpha=0.25, linewidth=0.8, label="faint: loss of each step")
     ax.plot([], [], color="0.4", linewidth=1.6, label=f"solid: {smooth}-step moving average")
     ax.set_ylabel("training loss (nats/token)")

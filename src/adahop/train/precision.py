@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 
 from torch import nn
 
@@ -76,8 +77,10 @@ def block_filter(model: nn.Module, bf16_blocks: tuple[int, int], min_features: i
 
 
 def phase_switch_step(steps: int, start: float | None) -> int | None:
-    """The number of completed steps after which the BF16 phase begins (None: no phase)."""
-    return None if start is None else math.floor(start * steps)
+    """The number of completed steps after which the BF16 phase begins, ``floor(start * steps)``
+    (None: no phase). ``start`` counts as the decimal it prints as (0.82 is 41/50), so that
+    0.82 of 300 steps is 246, not the 245 of float arithmetic (0.82 * 300 = 245.99999999999997)."""
+    return None if start is None else math.floor(Fraction(repr(float(start))) * steps)
 
 
 def validate_schedule(steps: int, grad_accum: int, start: float | None, calibration_steps: int | None) -> None:
