@@ -17,8 +17,8 @@ from adahop.train.precision import phase_switch_step, validate_schedule
 from adahop.train.trainer import TrainConfig
 
 # adahop train's recipe when none is named: adahop_lv2 with the forward in BF16 for the last 18% of
-# the steps, the smallest gap to bf16 measured (docs/method.md, 'Recipes'). The library's layers
-# (AdaHOPConfig, convert) default to adahop_lv2: a schedule belongs to a training run.
+# the steps, the smallest gap to bf16 measured (docs/method.md, 'Recipes'). The layers' config,
+# AdaHOPConfig(), stays adahop_lv2: a schedule belongs to a training run, not to a layer.
 DEFAULT_RECIPE = "adahop_lv2_tail"
 
 # Named recipes that add a precision schedule (TrainConfig fields) to a numerics recipe. A schedule
