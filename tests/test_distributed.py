@@ -38,6 +38,7 @@ from adahop.train.trainer import TrainConfig, train
 from tiny_lm import TinyLM
 
 VOCAB, SEQ, BATCH, STEPS, KILL_STEP = 64, 32, 4, 8, 6
+TAIL = {"bf16_phase_start": 0.5, "bf16_phase_gemms": ("fprop",)}  # adahop_lv2_tail's phase, from step 5 of 8
 
 
 class IndexedBatches:
@@ -130,6 +131,7 @@ def scenarios(rank, root):
     runs += [(f"fsdp2_{recipe}", recipe, {"parallel": "fsdp2"}) for recipe in ("bf16", "adahop_lv2")]
     runs += [("fsdp2_bf16_params", "adahop_lv2", {"parallel": "fsdp2", "autocast": "bf16"})]
     runs += [("calibration_split", "adahop_lv2", {"calibration_micro_batches": 2, "calibration_steps": 4})]
+    runs += [("tail", "adahop_lv2", TAIL), ("fsdp2_tail", "adahop_lv2", {"parallel": "fsdp2", **TAIL})]
     for name, recipe, kw in runs:
         model = tiny_model()
         summary = train(config(root / name, recipe, **kw), model=model, train_batches=IndexedBatches())
@@ -239,6 +241,24 @@ def test_adahop_lv2_on_2_ranks_equals_one_process_with_the_same_micro_batches(ru
           rtol=2e-3 if kind else 1e-5)
     # against one GEMM over the whole batch: OE and the Hadamard blocks see other rows; still close
     close(ddp, single(tmp_path / "plain", "adahop_lv2"), rtol=3e-2)
+
+
+@pytest.mark.parametrize("kind", ["", "fsdp2_"])
+def test_a_bf16_phase_on_2_ranks_switches_every_rank_at_its_step(runs, tmp_path, kind):
+    """The default recipe's phase under DDP and FSDP2: every rank switches every forward to BF16
+    after 4 of the 8 steps and keeps its other modes; until then the run is lv2's; it equals one
+    process with the same micro-batches as lv2 does."""
+    r0, r1 = (r[f"{kind}tail"] for r in runs["ranks"])
+    lv2 = runs["ranks"][0][f"{kind}adahop_lv2"]
+    assert r0["modes"] == r1["modes"] and r0["losses"] == r1["losses"]
+    assert all(m["fprop"] == "bf16" for m in r0["modes"].values())
+    assert {f: {**m, "fprop": None} for f, m in r0["modes"].items()} == \
+        {f: {**m, "fprop": None} for f, m in lv2["modes"].items()}
+    assert any(m["fprop"] != "bf16" for m in lv2["modes"].values())
+    assert r0["losses"][:4] == lv2["losses"][:4] and r0["losses"][4:] != lv2["losses"][4:]
+    assert [r["step"] for r in read_log(runs["root"] / f"{kind}tail") if "bf16_phase" in r] == [4]
+    close(r0["losses"], single(tmp_path / "accum", "adahop_lv2", batch_size=BATCH // 2, grad_accum=2, **TAIL),
+          rtol=2e-3 if kind else 1e-5)
 
 
 def test_split_calibration_on_2_ranks_equals_one_process_with_the_same_micro_batches(runs, tmp_path):
