@@ -94,6 +94,16 @@ def test_the_switch_step_is_the_floor_of_the_decimal_fraction_of_the_steps():
     assert phase_switch_step(100, 0.07) == 7  # 0.07 * 100 = 7.000000000000001: no help needed, none harms
 
 
+@pytest.mark.parametrize("start", [0.82, 0.5, 0.07, 1 / 3, 0.31])
+def test_fewest_steps_for_a_phase_is_the_least_that_begins_after_the_calibration(start):
+    from adahop.train.precision import calibrated_after, fewest_steps_for_phase, phase_switch_step
+
+    for calibration, accum in ((1, 1), (3, 1), (30, 1), (7, 2), (20, 3)):
+        n, after = fewest_steps_for_phase(start, calibration, accum), calibrated_after(calibration, accum)
+        assert phase_switch_step(n, start) >= after and phase_switch_step(n - 1, start) < after
+    assert fewest_steps_for_phase(0.82, 30, 1) == 37 and fewest_steps_for_phase(0.82, 3, 1) == 4
+
+
 def test_mxfp4_flop_share_counts_every_linear_and_the_oe_slices():
     from adahop.train.precision import mxfp4_flop_share
 

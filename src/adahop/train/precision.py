@@ -80,19 +80,33 @@ def phase_switch_step(steps: int, start: float | None) -> int | None:
     """The number of completed steps after which the BF16 phase begins, ``floor(start * steps)``
     (None: no phase). ``start`` counts as the decimal it prints as (0.82 is 41/50), so that
     0.82 of 300 steps is 246, not the 245 of float arithmetic (0.82 * 300 = 245.99999999999997)."""
-    return None if start is None else math.floor(Fraction(repr(float(start))) * steps)
+    return None if start is None else math.floor(_decimal(start) * steps)
+
+
+def _decimal(start: float) -> Fraction:
+    return Fraction(repr(float(start)))
+
+
+def calibrated_after(calibration_steps: int, grad_accum: int) -> int:
+    """The optimizer steps the calibration takes: a calibration step is a backward pass."""
+    return math.ceil(calibration_steps / grad_accum)
+
+
+def fewest_steps_for_phase(start: float, calibration_steps: int, grad_accum: int) -> int:
+    """The fewest steps of a run whose BF16 phase from ``start`` begins after the calibration:
+    the least n with floor(start * n) >= calibrated_after, i.e. ceil(calibrated_after / start)."""
+    return math.ceil(calibrated_after(calibration_steps, grad_accum) / _decimal(start))
 
 
 def validate_schedule(steps: int, grad_accum: int, start: float | None, calibration_steps: int | None) -> None:
-    """A BF16 phase must begin after the calibration: a calibration step is a backward pass, so
-    it ends after ``ceil(calibration_steps / grad_accum)`` optimizer steps."""
+    """A BF16 phase must begin after the calibration, which ends after ``calibrated_after``
+    optimizer steps."""
     k = phase_switch_step(steps, start)
     if k is None or calibration_steps is None:
         return
-    calibrated_after = math.ceil(calibration_steps / grad_accum)
-    if k < calibrated_after:
+    if k < calibrated_after(calibration_steps, grad_accum):
         raise ValueError(f"bf16_phase_start {start} begins the BF16 phase after step {k}, before the calibration "
-                         f"ends (step {calibrated_after}); start it later")
+                         f"ends (step {calibrated_after(calibration_steps, grad_accum)}); start it later")
 
 
 def apply_bf16_phase(model: nn.Module, gemms: tuple[str, ...]) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from adahop.config import RECIPES, AdaHOPConfig
-from adahop.train.precision import phase_switch_step, validate_schedule
+from adahop.train.precision import fewest_steps_for_phase, validate_schedule
 from adahop.train.trainer import TrainConfig
 
 # adahop train's recipe when none is named: adahop_lv2 with the forward in BF16 for the last 18% of
@@ -163,9 +163,7 @@ def _check_scheduled_recipe(recipe: str, cfg: TrainConfig) -> None:
     try:
         validate_schedule(cfg.steps, cfg.grad_accum, cfg.bf16_phase_start, cfg.adahop.calibration_steps)
     except ValueError:
-        calibrated_after = -(-cfg.adahop.calibration_steps // cfg.grad_accum)
-        fewest = next(n for n in range(cfg.steps, 10 * calibrated_after + 10)
-                      if phase_switch_step(n, cfg.bf16_phase_start) >= calibrated_after)
+        fewest = fewest_steps_for_phase(cfg.bf16_phase_start, cfg.adahop.calibration_steps, cfg.grad_accum)
         raise ValueError(f"recipe {recipe} runs {'/'.join(cfg.bf16_phase_gemms)} in BF16 from "
                          f"{cfg.bf16_phase_start:.0%} of the steps on, which must come after the calibration's "
                          f"{cfg.adahop.calibration_steps} steps: give at least {fewest} steps, or recipe "
