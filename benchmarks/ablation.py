@@ -36,8 +36,8 @@ from pathlib import Path
 from common import environment, environment_line, print_environment
 
 import adahop
+from adahop.llama.model import SIZES
 from adahop.policy import GEMMS, table_policy
-from adahop.train.model import SIZES
 from adahop.train.recipes import PRESETS
 from adahop.train.trainer import COMPILE_CHOICES
 
@@ -206,7 +206,7 @@ def run_config(args, name: str, seed: int):
     base = preset(args.preset, recipe="adahop_lv2", **overrides).adahop
     numerics = variant_config(name, base, seed)
     if args.drift_measure and numerics.adaptive:
-        overrides["drift"] = "measure"  # logged only: the trajectory is the same (analyze.drift)
+        overrides["drift"] = "measure"  # logged only: the trajectory is the same (adahop.drift)
     overrides.update(VARIANTS[name].train_fields)
     return preset(args.preset, adahop=numerics, **overrides)
 
@@ -243,7 +243,7 @@ class FlopShareMeter:
 def run_one(args, name: str, seed: int, env: dict) -> None:
     import torch
 
-    from adahop.train.data import load_corpus
+    from adahop.data.corpus import load_corpus
     from adahop.train.run import eval_fn_of, heldout_eval, open_run
     from adahop.train.run_log import read_log
     from adahop.train.trainer import train
@@ -361,7 +361,7 @@ def report(out: Path) -> str:
         table += "\n".join(lines) + "\n"
     drifted = [r for r in runs if r.get("drift")]
     if drifted:
-        lines = ["", "Drift of the calibrated layers (analyze.drift at each evaluation; labels: 3 tensors per "
+        lines = ["", "Drift of the calibrated layers (adahop.drift at each evaluation; labels: 3 tensors per "
                  "layer, modes: 3 GEMMs per layer):", "",
                  "| run | step: label changes / mode changes (of layers) |", "|---|---|"]
         for r in drifted:

@@ -41,7 +41,7 @@ def saved_tensors(recipe: str, size: str, n_layers: int, tokens: int, share_inpu
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
-    from adahop.train.model import Llama, LlamaConfig
+    from adahop.llama.model import Llama, LlamaConfig
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -106,7 +106,7 @@ def table(rows: list[dict], project_tokens: int, n_layers: int) -> str:
 
 
 def main(argv=None) -> int:
-    from adahop.train.model import SIZES
+    from adahop.llama.model import SIZES
 
     p = script_parser(__doc__)
     p.add_argument("--model-size", default="1b", choices=list(SIZES), help="the Llama's size (default: %(default)s)")

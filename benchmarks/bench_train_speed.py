@@ -76,8 +76,8 @@ def run_config(args, recipe: str, run_dir):
 
 def measure(args, recipe: str) -> dict:
     """Train ``recipe`` for P1 (+ profile) steps and measure it (see the module docstring)."""
+    from adahop.data.corpus import load_corpus
     from adahop.ops.backends import get_backend
-    from adahop.train.data import load_corpus
     from adahop.train.run import open_run
     from adahop.train.trainer import StopTraining, resolve_device, train
 
@@ -254,7 +254,7 @@ def table(rows: list[dict]) -> str:
 
 # ---- command line ---------------------------------------------------------------------------------------------
 def parse_args(argv=None):
-    from adahop.train.model import SIZES
+    from adahop.llama.model import SIZES
     from adahop.train.recipes import PRESETS
 
     p = script_parser(__doc__)
@@ -337,7 +337,7 @@ def main(argv=None) -> int:
     env = environment("bench_train_speed.py", argv)
     print_environment(env)
     try:  # refuse a request that cannot run here before starting any run
-        from adahop.train.data import load_corpus
+        from adahop.data.corpus import load_corpus
 
         if args.run_dir:
             Path(args.run_dir).mkdir(parents=True, exist_ok=True)

@@ -73,7 +73,7 @@ def section_stream() -> list[dict]:
 
 def tiny_llama(recipe: str, seed: int = 0, n_layers: int = 2, seq: int = 256):
     """A converted tiny Llama on the GPU in bf16 autocast after its calibration (one step)."""
-    from adahop.train.model import Llama, LlamaConfig
+    from adahop.llama.model import Llama, LlamaConfig
 
     torch.manual_seed(seed)
     model = Llama(LlamaConfig.from_size("tiny", vocab_size=VOCAB, max_seq_len=seq, n_layers=n_layers)).cuda()

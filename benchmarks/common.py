@@ -100,8 +100,8 @@ def pretrained_corpus(p: argparse.ArgumentParser, init: str, corpus_dir: str):
     """The corpus of a script that reads the pretrained model ``init`` (``--init``: smollm2, a
     .gguf file or a Hugging Face Llama folder), both checked: a bad one is a one-line error
     through ``p``."""
-    from adahop.train.data import load_corpus
-    from adahop.train.pretrained import check_init
+    from adahop.data.corpus import load_corpus
+    from adahop.llama.pretrained import check_init
 
     try:
         check_init(init)
@@ -116,7 +116,7 @@ def pretrained_corpus(p: argparse.ArgumentParser, init: str, corpus_dir: str):
 def load_pretrained(p: argparse.ArgumentParser, init: str, corpus, max_seq_len: int):
     """The pretrained model ``init`` names (float32, on the CPU), whose vocabulary must be the
     corpus's: a mismatch is a one-line error through ``p``."""
-    from adahop.train.pretrained import load_init
+    from adahop.llama.pretrained import load_init
 
     model = load_init(init, max_seq_len=max_seq_len)
     vocab = model.tok_embeddings.num_embeddings

@@ -100,7 +100,7 @@ def train_every_recipe(corpus_dir, *, device: str, steps: int, out_dir, batch_si
     """Every recipe on the tiny model of the ``debug`` preset (``batch_size`` x ``seq_len``
     tokens per step, OE k = 8), ``steps`` steps on ``device``: first and last training loss,
     tokens/s."""
-    from adahop.train.data import load_corpus
+    from adahop.data.corpus import load_corpus
     from adahop.train.recipes import preset
     from adahop.train.run import open_run
     from adahop.train.trainer import train
@@ -124,10 +124,10 @@ def train_every_recipe(corpus_dir, *, device: str, steps: int, out_dir, batch_si
 
 def tiny_corpus(out_dir) -> Path:
     """A byte-level corpus of three standard-library modules (no download)."""
-    from adahop.train import data, sources
+    from adahop.data import corpus, sources
 
     src = sources.cpython_stdlib_source(modules=("json", "textwrap", "string"), name="stdlib-mini")
-    data.build_corpus(out_dir, sources=[src], tokenizer="byte", progress=False)
+    corpus.build_corpus(out_dir, sources=[src], tokenizer="byte", progress=False)
     return Path(out_dir)
 
 

@@ -40,9 +40,9 @@ from common import environment, load_pretrained, pretrained_corpus, print_enviro
 
 import adahop  # noqa: E402
 from adahop.config import RECIPES  # noqa: E402
+from adahop.data.corpus import TokenBatches  # noqa: E402
 from adahop.formats.mxfp4 import SCALE_MODES  # noqa: E402
 from adahop.policy import GEMM_MODES  # noqa: E402
-from adahop.train.data import TokenBatches  # noqa: E402
 from adahop.train.precision import mxfp4_flop_share  # noqa: E402
 from adahop.train.recipes import numerics  # noqa: E402
 from adahop.train.run import heldout_eval  # noqa: E402

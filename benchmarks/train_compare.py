@@ -3,7 +3,7 @@ loss and bits per byte, zero-shot tasks, tokens/s and peak memory; a table (Mark
 loss curves (PNG).
 
     adahop data --out runs/corpus --sources shakespeare gcide python-doc wordnet brown
-    python -c "from adahop.train.tasks import export_task_files; export_task_files('runs/tasks')"
+    python -c "from adahop.data.tasks import export_task_files; export_task_files('runs/tasks')"
     python benchmarks/train_compare.py --corpus runs/corpus --tasks-dir runs/tasks --out runs/compare \\
         --preset h200 --steps 1000 --recipes bf16 adahop_lv2
 

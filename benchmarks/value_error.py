@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from common import environment, load_pretrained, pretrained_corpus, print_environment, script_parser  # noqa: E402
 
+from adahop.data.corpus import TokenBatches  # noqa: E402
 from adahop.formats.mxfp4 import fake_quantize_mxfp4  # noqa: E402
-from adahop.train.data import TokenBatches  # noqa: E402
-from adahop.train.model import apply_rope, repeat_kv  # noqa: E402
+from adahop.llama.model import apply_rope, repeat_kv  # noqa: E402
 from adahop.transforms.hadamard import block_hadamard  # noqa: E402
 
 MODES = ("mxfp4", "iht")

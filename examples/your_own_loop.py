@@ -21,7 +21,7 @@ import inspect
 import torch
 
 import adahop
-from adahop.train.model import Llama, LlamaConfig
+from adahop.llama.model import Llama, LlamaConfig
 from adahop.train.precision import apply_bf16_phase, phase_switch_step
 
 

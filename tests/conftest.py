@@ -24,18 +24,19 @@ def _single_thread():
 def corpus(tmp_path_factory):
     """A byte-level corpus of three stdlib modules, built once per session: what the trainer,
     the CLI and the comparison scripts train on in tests (a file may define its own)."""
-    from adahop.train import data, sources
+    from adahop.data import corpus as corpus_mod
+    from adahop.data import sources
 
     out = tmp_path_factory.mktemp("corpus")
     src = sources.cpython_stdlib_source(modules=("json", "textwrap", "string"), name="stdlib-mini")
-    data.build_corpus(out, sources=[src], tokenizer="byte", progress=False)
+    corpus_mod.build_corpus(out, sources=[src], tokenizer="byte", progress=False)
     return out
 
 
 @pytest.fixture
 def no_network(monkeypatch):
     """Any registry client call (a subprocess of the corpus sources) fails the test."""
-    from adahop.train import sources
+    from adahop.data import sources
 
     def refuse(*a, **k):
         raise AssertionError(f"tried to run {a[0] if a else k}")

@@ -13,12 +13,12 @@ import adahop
 from adahop import cli
 from adahop.analyze import REPORT_FILES, SCHEMA, figures, run_study, validate
 from adahop.analyze.collect import capture_step, find_linears
-from adahop.analyze.drift import measure_drift
 from adahop.analyze.strategies import gemm_errors, layer_gemms, sqnr_db
+from adahop.data import corpus as D
+from adahop.data import sources as S
+from adahop.drift import measure_drift
 from adahop.linear import make_gemm_plan, mxfp4_gemm
 from adahop.ops import get_backend
-from adahop.train import data as D
-from adahop.train import sources as S
 
 from tiny_lm import TinyLM, batches, encode_bytes, load_corpus
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from adahop import cli
-from adahop.train import data as D
-from adahop.train import sources as S
+from adahop.data import corpus as D
+from adahop.data import sources as S
 from adahop.train.compare import steady_tokens_per_s
 
 
@@ -203,7 +203,7 @@ def test_a_finished_run_is_left_as_it_is(corpus, tmp_path, capsys):
 
 
 def test_quickstart_checks_every_run_before_it_builds_the_corpus(tmp_path, capsys, monkeypatch):
-    import adahop.train.data as data_mod
+    import adahop.data.corpus as data_mod
 
     built = []
     monkeypatch.setattr(data_mod, "build_corpus", lambda out, **kw: built.append(out))
@@ -216,8 +216,8 @@ def test_quickstart_checks_every_run_before_it_builds_the_corpus(tmp_path, capsy
 def test_quickstart_trains_bf16_and_the_default_recipe_on_the_cpu_preset(tmp_path, monkeypatch):
     """The README's main job as it stands: bf16 and adahop train's default recipe, the cpu preset's
     300 steps (long enough for adahop_lv2_tail's phase), then the comparison."""
+    import adahop.data.corpus as data_mod
     import adahop.train.compare as compare_mod
-    import adahop.train.data as data_mod
     from adahop.train.recipes import DEFAULT_RECIPE
 
     trained, order = [], []
@@ -234,7 +234,7 @@ def test_quickstart_trains_bf16_and_the_default_recipe_on_the_cpu_preset(tmp_pat
 def test_quickstart_twice_leaves_the_first_runs_as_they_are(corpus, tmp_path, capsys, monkeypatch):
     import shutil
 
-    import adahop.train.data as data_mod
+    import adahop.data.corpus as data_mod
 
     monkeypatch.setattr(data_mod, "build_corpus", lambda out, **kw: shutil.copytree(corpus, out, dirs_exist_ok=True))
     root = tmp_path / "qs"

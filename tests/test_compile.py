@@ -11,8 +11,8 @@ import torch._dynamo
 from torch import nn
 
 import adahop
+from adahop.llama.model import Llama, LlamaConfig
 from adahop.train.compile import compile_blocks, compile_model
-from adahop.train.model import Llama, LlamaConfig
 from adahop.train.trainer import TrainConfig, train
 
 from test_trainer import SEQ, VOCAB, CountingBatches, config

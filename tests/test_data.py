@@ -19,15 +19,14 @@ import numpy as np
 import pytest
 import torch
 
-from adahop.train import data as D
-from adahop.train import sources as S
-from adahop.train.tokenizer import (
+from adahop.data import corpus as D
+from adahop.data import sources as S
+from adahop.data.tokenizer import (
     BPETokenizer,
     ByteTokenizer,
     load_tokenizer,
-    parse_tokenizer_spec,
-    train_tokenizer,
 )
+from adahop.data.tokenizer_spec import parse_tokenizer_spec, train_tokenizer
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards",
          "quietly", "hex", "jovial", "pink", "sphinxes", "of", "black", "quartz", "and", "judge", "my", "vow"]
@@ -279,7 +278,7 @@ def _mini_ranks():
 
 def test_tiktoken_bpe_round_trip_and_corpus(tmp_path, tiny, monkeypatch):
     pytest.importorskip("tiktoken")
-    from adahop.train.tokenizer import TiktokenBPE
+    from adahop.data.tokenizer import TiktokenBPE
 
     tok = TiktokenBPE(_mini_ranks(), name="mini")
     assert tok.vocab_size == 261 and tok.eos_id == 260

@@ -389,8 +389,8 @@ def test_merged_calibration_is_what_one_layer_observing_both_would_hold():
 # ---- the command line under torchrun ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from adahop.train import data as data_mod
-    from adahop.train import sources
+    from adahop.data import corpus as data_mod
+    from adahop.data import sources
 
     out = tmp_path_factory.mktemp("corpus")
     src = sources.cpython_stdlib_source(modules=("json", "textwrap"), name="stdlib-mini")

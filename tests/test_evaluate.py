@@ -24,22 +24,22 @@ import pytest
 import torch
 from torch import nn
 
+from adahop.data import tasks
+from adahop.data.tasks import (
+    ChecksumError,
+    CompletionItem,
+    MultipleChoiceItem,
+    load_task,
+    read_requests,
+)
+from adahop.llama.model import Llama, LlamaConfig
 from adahop.train import evaluate as ev
-from adahop.train import tasks
 from adahop.train.evaluate import (
     ContinuationScore,
     bits_per_byte,
     evaluate_tasks,
     heldout_loss,
     score_continuations,
-)
-from adahop.train.model import Llama, LlamaConfig
-from adahop.train.tasks import (
-    ChecksumError,
-    CompletionItem,
-    MultipleChoiceItem,
-    load_task,
-    read_requests,
 )
 
 DATA = Path(__file__).parent / "data" / "eval"

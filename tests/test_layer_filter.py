@@ -161,8 +161,8 @@ def test_train_and_eval_keep_the_size_rule(tmp_path, capsys):
     """``adahop train --min-features N`` leaves the small linears in BF16 (and says so), records
     N, and ``adahop eval`` rebuilds the run with the same conversion; a bad N is one line."""
     from adahop import cli
-    from adahop.train import data as D
-    from adahop.train import sources as S
+    from adahop.data import corpus as D
+    from adahop.data import sources as S
 
     corpus = tmp_path / "corpus"
     D.build_corpus(corpus, sources=[S.cpython_stdlib_source(modules=("json", "textwrap"), name="mini")],

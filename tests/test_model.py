@@ -1,4 +1,4 @@
-"""The Llama-style model (adahop.train.model): shapes and dtypes, causality, RoPE, grouped-query
+"""The Llama-style model (adahop.llama.model): shapes and dtypes, causality, RoPE, grouped-query
 attention, tied embeddings, parameter counts and named sizes, init, AdaHOP conversion, training,
 bad input."""
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import adahop
-from adahop.train.model import (
+from adahop.llama.model import (
     SIZES,
     Llama,
     LlamaConfig,
@@ -87,7 +87,7 @@ def test_compute_copies_cast_once_per_reader_and_sum_gradients_in_float32():
 def test_autocast_model_equals_linears_that_cast_their_own_input(monkeypatch):
     """compute_copies changes no value: the block under autocast equals the same block whose
     linear layers each receive the float32 input and cast it themselves (autocast's F.linear)."""
-    import adahop.train.model as model_mod
+    import adahop.llama.model as model_mod
 
     m = tiny()
     x = tokens(2, 16)
@@ -234,7 +234,7 @@ def test_gqa_attention_equals_mha_written_by_hand():
 def test_attention_repeats_kv_only_where_the_fused_kernel_needs_it(monkeypatch):
     """Where SDPA's fused kernel takes G heads (bf16 or fp16 on a GPU, the CPU) k and v go in as
     they are; elsewhere (float32 on a GPU) repeated to H heads. Both give the same attention."""
-    from adahop.train import model as model_module
+    from adahop.llama import model as model_module
 
     assert model_module.fused_kernel_reads_kv_heads(torch.zeros(1, device="cpu"))
     assert model_module.fused_kernel_reads_kv_heads(torch.zeros(1, device="meta", dtype=torch.bfloat16))

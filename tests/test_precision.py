@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import adahop
-from adahop.train.model import Llama, LlamaConfig
+from adahop.llama.model import Llama, LlamaConfig
 from adahop.train.run_log import read_log
 from adahop.train.trainer import TrainConfig, train
 

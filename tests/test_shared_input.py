@@ -11,8 +11,8 @@ import torch
 
 import adahop
 import adahop.layer_ops
+from adahop.llama.model import compute_copies
 from adahop.shared_input import linears_on_one_input
-from adahop.train.model import compute_copies
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (the GPU check runs this file too)
 T, K = 64, 64
@@ -193,7 +193,7 @@ def test_falls_back_to_the_layers_one_by_one(monkeypatch, case):
 
 
 def test_groups_the_model_projections_and_bad_input_reaches_the_layer(monkeypatch):
-    from adahop.train.model import Llama, LlamaConfig
+    from adahop.llama.model import Llama, LlamaConfig
 
     torch.manual_seed(0)
     model = Llama(LlamaConfig.from_size("tiny", vocab_size=64, max_seq_len=16, n_layers=1)).to(DEVICE)
@@ -235,7 +235,7 @@ def test_the_op_checks_its_owners_against_the_layers_numerics():
 def test_a_compiled_model_traces_the_groups_without_a_break():
     """The whole model compiles as one graph with the groups' op in it (fullgraph), and trains
     to the eager losses (up to the fused elementwise kernels' rounding: test_compile)."""
-    from adahop.train.model import Llama, LlamaConfig
+    from adahop.llama.model import Llama, LlamaConfig
 
     torch._dynamo.reset()
     torch.manual_seed(0)

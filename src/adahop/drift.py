@@ -12,6 +12,9 @@ calibration does (``observe_tensor`` with the layer's tau and OE k), into a fres
 against the layer's. The training state is left as it was: the parameters' ``.grad`` and each
 layer's call counter (the stochastic-rounding sequence) are restored, and modes change only with
 ``apply=True`` (then the layer is frozen to the new modes and patterns, as ``set_modes`` does).
+
+It is library, beside ``convert`` (it acts on a converted model), not part of the outlier study in
+``analyze``: the trainer's ``drift`` option calls it, and ``train`` sits below ``analyze``.
 """
 
 from __future__ import annotations
@@ -21,12 +24,26 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from adahop.analyze.collect import lm_loss
 from adahop.convert import adahop_layers
 from adahop.patterns.calibration import TENSOR_ROLES, LayerCalibration, observe_tensor
 from adahop.policy import GEMMS, policy_result, table_policy
 
 PROFILE_DIMS = {"x": (1,), "w": (1, 0), "g": (1,)}  # as the study (analyze.study.PROFILE_DIMS)
+
+
+def lm_loss(model: nn.Module, batch) -> torch.Tensor:
+    """The default loss: ``batch = (inputs, targets)``, mean cross-entropy of the model's logits
+    (an output with a ``.logits`` attribute, as Hugging Face models return, works too)."""
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise ValueError(f"a batch must be (inputs, targets) for the default loss, got {type(batch).__name__}; "
+                         "pass loss_fn(model, batch) -> scalar for other batches")
+    inputs, targets = batch
+    out = model(inputs)
+    logits = getattr(out, "logits", out)
+    if not isinstance(logits, torch.Tensor) or logits.shape[:-1] != targets.shape:
+        raise ValueError(f"the model's output {tuple(getattr(logits, 'shape', ()))} does not match targets "
+                         f"{tuple(targets.shape)} + [vocab]; pass loss_fn(model, batch)")
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
 def layer_policy(layer) -> Callable:

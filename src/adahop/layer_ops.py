@@ -559,7 +559,7 @@ def group_layers(group_numerics: str, needs_backward: bool) -> tuple[tuple[str, 
 def linear_group_forward(xs: list[torch.Tensor], weights: list[torch.Tensor], rng_states: list[torch.Tensor],
                          group_numerics: str, owners: list[int], needs_backward: bool) -> list[torch.Tensor]:
     """fprop of n layers that read one activation: ``xs``, the same values n times (one copy per
-    layer: ``train.model.compute_copies``, whose gradients meet in float32), ``weights``,
+    layer: ``llama.model.compute_copies``, whose gradients meet in float32), ``weights``,
     ``rng_states`` and the layers' numerics keys (``group_numerics``: ``group_numerics_key``)
     each layer's own. Returns ``linear_forward``'s five outputs per layer, layer after layer, except
     that x's saved codes and scales come once, at the first layer that uses them, and are empty

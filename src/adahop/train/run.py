@@ -15,9 +15,9 @@ import itertools
 
 import torch
 
-from adahop.train.data import Corpus, TokenBatches
-from adahop.train.model import Llama, LlamaConfig
-from adahop.train.pretrained import INIT_SCRATCH, load_init
+from adahop.data.corpus import Corpus, TokenBatches
+from adahop.llama.model import Llama, LlamaConfig
+from adahop.llama.pretrained import INIT_SCRATCH, load_init
 from adahop.train.trainer import TrainConfig
 
 
@@ -78,10 +78,10 @@ def heldout_eval(model, corpus: Corpus, *, seq_len: int, batch_size: int, max_ba
 
 
 def drift_of(model, corpus: Corpus, cfg: TrainConfig) -> dict:
-    """``analyze.drift.measure_drift`` on the first ``drift_batches`` held-out batches of each
+    """``adahop.drift.measure_drift`` on the first ``drift_batches`` held-out batches of each
     source, as training runs (bf16 autocast on a GPU; a compiled model eagerly: its observations
     are read back to the host), the changes applied with ``cfg.drift == "apply"``."""
-    from adahop.analyze.drift import measure_drift
+    from adahop.drift import measure_drift
 
     device = next(model.parameters()).device
     batches = [b for s in corpus.sources for b in itertools.islice(

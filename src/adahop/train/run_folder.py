@@ -12,45 +12,9 @@ from __future__ import annotations
 
 import errno
 import os
-import tempfile
 from pathlib import Path
 
 LOCK_NAME = ".lock"
-
-
-def ensure_writable_dir(path: str | os.PathLike, what: str = "--out", *, create: bool = True) -> Path:
-    """Check that folder ``path`` can be written, before any work: a path that is a file, or
-    that cannot be created or written, gives a ValueError naming it. ``create``: make the folder
-    (and its parents) now; otherwise only the nearest existing folder on the way is checked, and
-    nothing is left behind."""
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{what} {path} exists and is not a folder")
-    probe_in = path
-    if not create:
-        while not probe_in.exists():
-            probe_in = probe_in.parent
-        if not probe_in.is_dir():
-            raise ValueError(f"{what} {path} is not a writable folder: {probe_in} is a file")
-    try:
-        if create:
-            path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=probe_in, prefix=".write-check-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ValueError(f"{what} {path} is not a writable folder: {e.strerror or e}") from e
-    return path
-
-
-def ensure_writable_file(path: str | os.PathLike, what: str) -> Path:
-    """Check that file ``path`` can be written (its folder is created if needed), before the work
-    that produces it. An existing folder of that name is refused too."""
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"{what} {path} is a folder; give a file name")
-    ensure_writable_dir(path.parent, what=f"{what} {path}: the folder", create=False)
-    return path
 
 
 class RunLock:

@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 import adahop
-from adahop.atomic_io import atomic_write_bytes
+from adahop.atomic_io import atomic_write_bytes, ensure_writable_dir
 from adahop.config import AdaHOPConfig
 from adahop.convert import MIN_FEATURES, check_min_features, size_filter
+from adahop.llama.pretrained import check_init
 from adahop.train.checkpoint import (
     is_sharded,
     latest_checkpoint,
@@ -52,8 +53,7 @@ from adahop.train.precision import (
     phase_switch_step,
     validate_schedule,
 )
-from adahop.train.pretrained import check_init
-from adahop.train.run_folder import RunLock, ensure_writable_dir
+from adahop.train.run_folder import RunLock
 from adahop.train.run_log import LOG_NAME, JsonlLog
 
 
@@ -65,8 +65,8 @@ class TrainConfig:
 
     # what
     adahop: AdaHOPConfig = field(default_factory=AdaHOPConfig)
-    model_size: str = "tiny"  # train.model SIZES; ignored with a pretrained init (its own architecture)
-    # the starting weights (train/pretrained.py): "scratch" (random, of model_size), "smollm2", a
+    model_size: str = "tiny"  # llama.model SIZES; ignored with a pretrained init (its own architecture)
+    # the starting weights (llama/pretrained.py): "scratch" (random, of model_size), "smollm2", a
     # .gguf file or a Hugging Face Llama folder; train.run.open_run loads them
     init: str = "scratch"
     corpus_dir: str = "runs/corpus"
@@ -117,7 +117,7 @@ class TrainConfig:
     eval_every: int = 0  # 0: only at the end
     eval_batches: int = 8
     # at each evaluation, re-measure the calibrated layers' patterns and modes on held-out batches
-    # (analyze.drift): "off", "measure" (log the changes), "apply" (also switch to the new modes)
+    # (adahop.drift): "off", "measure" (log the changes), "apply" (also switch to the new modes)
     drift: str = "off"
     drift_batches: int = 2  # held-out batches per source for each drift measurement
     ckpt_every: int = 0  # 0: only at the end

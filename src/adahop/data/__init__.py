@@ -1,0 +1,10 @@
+"""The harness's data: text sources from pinned registry packages (``sources``), tokenizers
+(``tokenizer``, named by a spec in ``tokenizer_spec``), the token corpus built from them and read
+in windows (``corpus``), the zero-shot tasks' items (``tasks``), and the pinned SmolLM2 file and
+GGUF tokenizers (``smollm2``, ``gguf``), whose tokenizer is data even though its weights are a
+model's (``adahop.llama.pretrained`` loads those).
+
+Harness, not library: ``adahop train``, ``adahop data`` and ``adahop eval`` read it; it imports
+only the library's ``atomic_io`` and never ``llama``, ``train``, ``analyze`` or ``cli`` (above it;
+tests/test_layout.py).
+"""
