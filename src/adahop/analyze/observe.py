@@ -18,8 +18,6 @@ from adahop.patterns.calibration import TensorObservation, observe_tensor
 from adahop.patterns.detect import as_rows
 from adahop.patterns.quant_error import PROFILE_DIMS
 
-STAT_FIELDS = ("pattern", "cv_row", "cv_col", "row_energy_topk", "col_energy_topk", "rms", "absmax")
-
 
 def is_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())

