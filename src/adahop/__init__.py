@@ -1,9 +1,15 @@
 """adahop: LLM training with MXFP4 GEMMs at BF16 quality (AdaHOP, arXiv 2604.02525).
 
-Layers, bottom to top: formats (MXFP4) -> transforms (Hadamard, the operand spec) -> patterns
+The library, the API a training loop of your own uses (what this module exports, and its
+packages), bottom to top: formats (MXFP4) -> transforms (Hadamard, the operand spec) -> patterns
 (detection, calibration) -> policy (strategy tables) -> config -> kernels (Triton) and ops (the
 dispatch: reference, triton, hopper_fp8, native_mx) -> layer_ops (the GEMMs as torch.library ops)
--> linear (the module) -> convert, modes_io, hf -> train, analyze, cli.
+-> linear (the module) -> convert, modes_io, drift, hf; atomic_io (safe file writes) below all.
+
+The harness, the ``adahop`` program built on the library and not needed to use it, bottom to top:
+data (sources, tokenizers, corpus, zero-shot tasks) -> llama (adahop's Llama, pretrained weights)
+-> train (the trainer) -> analyze (the outlier study) -> cli. The library never imports the
+harness (tests/test_layout.py).
 """
 
 from adahop.config import RECIPES, AdaHOPConfig, GemmConfig
