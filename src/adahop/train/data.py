@@ -392,7 +392,8 @@ class Corpus:
         dtype = np.dtype("<u2" if info["dtype"] == "uint16" else "<u4")
         if info["tokens"] == 0:
             return np.zeros(0, dtype=dtype)
-        return np.memmap(self.root / info["file"], dtype=dtype, mode="r", shape=(info["tokens"],))
+        path = file_in(self.root, info["file"], f"{self.root / MANIFEST} (a shard's file)")
+        return np.memmap(path, dtype=dtype, mode="r", shape=(info["tokens"],))
 
     def tokens(self, split: str | None = None) -> int:
         return sum(sh["tokens"] for per in self.manifest["shards"].values()
