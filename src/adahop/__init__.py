@@ -6,6 +6,7 @@ dispatch: reference, triton, hopper_fp8, native_mx) -> layer_ops (the GEMMs as t
 -> linear (the module) -> convert, modes_io, hf -> train, analyze, cli.
 """
 
+from adahop.calibration import Calibrator
 from adahop.config import RECIPES, AdaHOPConfig, GemmConfig
 from adahop.convert import (
     adahop_layers,
@@ -27,6 +28,7 @@ __all__ = [
     "RECIPES",
     "AdaHOPConfig",
     "AdaHOPLinear",
+    "Calibrator",
     "GemmConfig",
     "MXFP4Tensor",
     "adahop_layers",

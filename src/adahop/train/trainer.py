@@ -1,5 +1,5 @@
 """The training loop: AdamW with warm-up + cosine decay, gradient clipping and accumulation,
-optional BF16 autocast, AdaHOP calibration handled by the layers themselves, JSONL logs, a
+optional BF16 autocast, AdaHOP calibration by the library's ``Calibrator``, JSONL logs, a
 progress bar, atomic checkpoints and exact resume.
 
 Exact resume: a checkpoint holds everything the next step depends on (model, including the AdaHOP
@@ -14,7 +14,6 @@ and summary, every rank writes its part of a sharded checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import sys
@@ -28,6 +27,7 @@ from torch import nn
 
 import adahop
 from adahop.atomic_io import atomic_write_bytes
+from adahop.calibration import Calibrator
 from adahop.config import AdaHOPConfig
 from adahop.convert import MIN_FEATURES, check_min_features, size_filter
 from adahop.train.checkpoint import (
@@ -472,8 +472,8 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
         train_batches.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         start_step = state["step"]
-    par.prepare(model)
-    par.check_modes(f"after loading {found}" if state is not None else "at the start of training")
+    calibrator = Calibrator(model, micro_batches=cfg.calibration_micro_batches,
+                            checked_at=f"after loading {found}" if state is not None else "at the start of training")
     forward = par.wrap(model)
     main = par.is_main
     log = JsonlLog(out / LOG_NAME, start_step if state is not None else None) if main else _NoLog()
@@ -535,32 +535,23 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
             opt.zero_grad(set_to_none=True)
             par.start_step()
             loss_sum = torch.zeros((), device=device)
-            # A step that begins calibrating splits each micro-batch (calibration_micro_batches).
-            # Calibration is host state, the same on every rank (merged), so no rank runs more
-            # forwards (and collectives) than another.
-            splits = 1 if adahop.is_calibrated(model) else cfg.calibration_micro_batches
-            passes = cfg.grad_accum * splits
-            for micro in range(cfg.grad_accum):
-                inputs, targets = par.shard(*next(train_batches))
-                inputs, targets = inputs.to(device), targets.to(device)
-                # The parts of a micro-batch whose layers all calibrate with BF16 GEMMs are one SR
-                # call (AdaHOPLinear: they draw no bits), so one rank's number; any other
-                # part is a call of its own.
-                one_call = splits > 1 and _bf16_calibrating(model)
-                with _split(model, splits):
-                    for part, (part_inputs, part_targets) in enumerate(zip(inputs.chunk(splits),
-                                                                           targets.chunk(splits))):
-                        if part == 0 or not one_call:
-                            counters = par.align_sr_counters()
-                        par.start_calibration_step()
-                        last_part = micro == cfg.grad_accum - 1 and part == splits - 1
+            # The calibration protocol (adahop.calibration): a step that begins calibrating runs each
+            # micro-batch as calibration_micro_batches parts; every forward's SR numbers are this
+            # rank's; the ranks' observations are merged after each backward, the layers frozen
+            # from them. Calibration is host state, the same on every rank (merged), so no rank
+            # runs more forwards (and collectives) than another.
+            with calibrator.step(step + 1) as cal_step:
+                passes = cfg.grad_accum * cal_step.parts
+                for micro in range(cfg.grad_accum):
+                    inputs, targets = par.shard(*next(train_batches))
+                    inputs, targets = inputs.to(device), targets.to(device)
+                    for part, (part_inputs, part_targets) in enumerate(cal_step.split(inputs, targets)):
+                        last_part = micro == cfg.grad_accum - 1 and part == cal_step.parts - 1
                         with par.no_sync(forward, last_micro_batch=last_part):
                             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
                                 logits = forward(part_inputs)
                             loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), part_targets.flatten())
                             (loss / passes).backward()
-                        par.check_sr_counters(counters)
-                        par.merge_calibration(step + 1)
                         loss_sum += loss.detach()
             add_dampening_grad(model, cfg.oscillation_dampening, torch.bfloat16 if use_bf16 else torch.float32)
             grad_norm = par.clip_grad_norm(model.parameters(), cfg.grad_clip)
@@ -625,27 +616,6 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
                           json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1))
     par.barrier()  # the summary is written before any rank returns
     return summary
-
-
-def _bf16_calibrating(model: nn.Module) -> bool:
-    """Every converted layer of ``model`` calibrates, with BF16 GEMMs."""
-    layers = adahop.adahop_layers(model).values()
-    return bool(layers) and all(m.calibrating and m.config.calibration_gemms == "bf16" for m in layers)
-
-
-@contextlib.contextmanager
-def _split(model: nn.Module, splits: int):
-    """The context of a micro-batch run as ``splits`` parts (``splits`` > 1): the layers merge
-    its parts into one calibration observation (``adahop.calibration_parts``), and the model runs
-    eagerly. While a layer calibrates the compiled model runs eagerly anyway
-    (train/compile.py); once calibration ends within the step (with grad_accum > 1), its remaining
-    parts would compile the model at their smaller shape, and the next step, at the full batch,
-    would compile it again with a dynamic batch dim."""
-    if splits == 1:
-        yield
-        return
-    with adahop.calibration_parts(model, splits), torch.compiler.set_stance("force_eager"):
-        yield
 
 
 def write_text_atomic(path: Path, text: str) -> None:
