@@ -6,7 +6,7 @@ does the few things data parallelism adds to the trainer:
 
 * ``wrap`` (DDP) / ``shard_model`` (FSDP2: ``fully_shard`` per block, bf16 or float32
   parameters, float32 reductions; optionally the AdaHOP weights gathered as fprop's MXFP4 operand,
-  ``train.quantized_all_gather``) / ``clip_grad_norm``.
+  ``adahop.quantized_all_gather``) / ``clip_grad_norm``.
 * ``shard``: the global batch of ``batch_size`` sequences is the same on every rank (every rank
   draws it from the same seeded iterator); rank r trains on rows ``[r*B/W, (r+1)*B/W)``. The
   data position is therefore global, the same on every rank, and resumes on any world size.
@@ -230,7 +230,7 @@ class Parallel:
         (``bf16``: autocast, by default on CUDA), float32 otherwise; gradients reduced in float32.
 
         ``quantized_all_gather``: each AdaHOP layer's weight is gathered as fprop's MXFP4 operand
-        once its modes allow (``train.quantized_all_gather``). Returns the layers left to FSDP2's
+        once its modes allow (``adahop.quantized_all_gather``). Returns the layers left to FSDP2's
         own gather, with why (empty otherwise)."""
         if self.mode != "fsdp2":
             if quantized_all_gather:
@@ -241,7 +241,7 @@ class Parallel:
 
         left = {}
         if quantized_all_gather:
-            from adahop.train import quantized_all_gather as qag
+            from adahop import quantized_all_gather as qag
 
             left = qag.install(model, self.world)
         mesh = init_device_mesh(self.device.type, (self.world,))

@@ -30,6 +30,7 @@ from adahop.atomic_io import atomic_write_bytes
 from adahop.calibration import Calibrator
 from adahop.config import AdaHOPConfig
 from adahop.convert import MIN_FEATURES, check_min_features, size_filter
+from adahop.oscillation import add_dampening_grad, check_dampening
 from adahop.train.checkpoint import (
     is_sharded,
     latest_checkpoint,
@@ -43,7 +44,6 @@ from adahop.train.checkpoint import (
 )
 from adahop.train.compile import compile_blocks, compile_model
 from adahop.train.distributed import PARALLEL_CHOICES, Parallel
-from adahop.train.oscillation import add_dampening_grad, check_dampening
 from adahop.train.precision import (
     apply_bf16_phase,
     block_filter,
@@ -99,7 +99,7 @@ class TrainConfig:
     min_features: int = MIN_FEATURES
     bf16_phase_start: float | None = None  # fraction of the steps after which bf16_phase_gemms run BF16
     bf16_phase_gemms: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
-    # lambda of the oscillation-dampening term lambda * ||W - Q(W)||^2 (train/oscillation.py); 0: off
+    # lambda of the oscillation-dampening term lambda * ||W - Q(W)||^2 (adahop.oscillation); 0: off
     oscillation_dampening: float = 0.0
     # machinery
     seed: int = 0  # model initialisation and data order (the SR streams follow adahop.seed)
@@ -110,7 +110,9 @@ class TrainConfig:
     compile: str = "auto"
     cudagraphs: bool = False  # with the model compiled: replay each step as CUDA graphs (reduce-overhead)
     parallel: str = "none"  # "ddp" or "fsdp2" under torchrun (train/distributed.py; batch_size is the global batch)
-    # fsdp2: gather each AdaHOP layer's weight as the forward GEMM's MXFP4 operand (train/quantized_all_gather.py)
+    # fsdp2: gather each AdaHOP layer's weight as the forward GEMM's MXFP4 operand
+    # (adahop.quantized_all_gather): this run's spelling of adahop.quantized_all_gather, either one
+    # turns it on (``gathers_quantized``)
     quantized_all_gather: bool = False
     log_every: int = 1
     sync_every: int = 10  # read losses back from the device every this many steps (see train())
@@ -128,6 +130,11 @@ class TrainConfig:
     @property
     def recipe(self) -> str:
         return self.adahop.recipe
+
+    @property
+    def gathers_quantized(self) -> bool:
+        """FSDP2 gathers the AdaHOP weights quantized: ``quantized_all_gather`` here or in ``adahop``."""
+        return self.quantized_all_gather or self.adahop.quantized_all_gather
 
     def to_dict(self) -> dict:
         """Plain data for config.json and the checkpoint (``from_dict`` reads it back)."""
@@ -213,8 +220,8 @@ class TrainConfig:
         validate_schedule(self.steps, self.grad_accum, self.bf16_phase_start,
                           self.adahop.calibration_steps if self.adahop.adaptive else None)
         device = resolve_device(self.device)
-        if self.quantized_all_gather:
-            from adahop.train.quantized_all_gather import check_config
+        if self.gathers_quantized:
+            from adahop.quantized_all_gather import check_config
 
             check_config(self.parallel, self.adahop, resolve_compile(self, device))
         # The backend is first asked for at the first MXFP4 step, after the BF16 calibration:
@@ -309,7 +316,8 @@ class StopTraining(Exception):  # noqa: N818  (a signal, not an error)
 # (``adahop.backend`` may change too: every backend gives the reference's quantized bits, and
 # their GEMMs differ only in accumulation order.)
 # (``parallel`` may change between ddp and fsdp2: their sharded checkpoints are the same format.)
-# (``quantized_all_gather`` may change: it gathers the operand the layer would quantize, bit for bit.)
+# (``quantized_all_gather`` and ``adahop.quantized_all_gather`` may change: it gathers the operand the
+# layer would quantize, bit for bit.)
 # (``adahop.share_input`` may change: the layers that read one x give the same bits either way.)
 # (``init`` may not: it names what the run's weights started from. A resumed run's weights are
 # the checkpoint's, loaded over the freshly loaded pretrained ones.)
@@ -325,7 +333,8 @@ def resume_conflicts(saved: dict, cfg: TrainConfig) -> list[str]:
     a, b = TrainConfig.from_dict(saved).to_dict(), cfg.to_dict()
     a["adahop"]["policy_fn"] = (saved.get("adahop") or {}).get("policy_fn")
     out = [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if k not in RESUMABLE_CHANGES and k != "adahop" and a[k] != b[k]]
-    qa, qb = dict(a["adahop"], backend=None, share_input=None), dict(b["adahop"], backend=None, share_input=None)
+    resumable = {"backend": None, "share_input": None, "quantized_all_gather": None}
+    qa, qb = dict(a["adahop"], **resumable), dict(b["adahop"], **resumable)
     out += [f"adahop.{k}: {qa[k]!r} -> {qb[k]!r}" for k in qa if qa[k] != qb[k]]
     return out
 
@@ -460,7 +469,7 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
         compile_model(model, **({"mode": "reduce-overhead"} if cfg.cudagraphs else {}))
     elif compile_mode == "blocks":
         compile_blocks(model)
-    par.shard_model(model, bf16=use_bf16, quantized_all_gather=cfg.quantized_all_gather)  # FSDP2: before the optimizer
+    par.shard_model(model, bf16=use_bf16, quantized_all_gather=cfg.gathers_quantized)  # FSDP2: before the optimizer
     opt = make_optimizer(model, cfg)
 
     start_step = 0
