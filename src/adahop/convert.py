@@ -1,7 +1,8 @@
 """``convert_to_adahop_training``: swap a model's ``nn.Linear`` modules for ``AdaHOPLinear``.
 
 The swapped modules share the original parameters (nothing is copied; optimizers built before or
-after the swap see the same tensors). By default every ``nn.Linear`` is converted except the LM
+after the swap see the same tensors; but with ``AdaHOPConfig.quantized_all_gather``, whose weights
+become new parameters for FSDP2). By default every ``nn.Linear`` is converted except the LM
 head (the LM head, embeddings, norms and attention's own matmuls stay in high precision: see
 docs/method.md, 'The three GEMMs of a linear layer'). The LM head is recognised as a Linear whose
 weight is tied to an ``nn.Embedding`` or whose name ends in ``lm_head``, ``output`` or ``head``;

@@ -28,7 +28,7 @@ import math
 import torch
 from torch import nn
 
-import adahop
+from adahop.convert import adahop_layers
 from adahop.layer_ops import forward_weight
 
 
@@ -47,7 +47,7 @@ def add_dampening_grad(model: nn.Module, strength: float, dtype: torch.dtype = t
     if check_dampening(strength) == 0:
         return 0
     count = 0
-    for layer in adahop.adahop_layers(model).values():
+    for layer in adahop_layers(model).values():
         w = layer.weight
         if w.grad is None or layer.calibrating:
             continue
