@@ -1,9 +1,10 @@
 """Calibration from a loop of one's own (adahop/calibration.py): ``adahop.Calibrator``.
 
-- Under torch's own DDP on 2 gloo processes (one spawn), a plain loop (AdamW, gradient clipping)
-  with the calibrator, each calibration micro-batch run as 2 parts, freezes the same modes on
-  both ranks from the same merged calibration, draws each rank's SR numbers, and ends with the
-  weights of ``adahop train`` (``--parallel ddp``) on the same data.
+- Under torch's own DDP and FSDP2 on 2 gloo processes (one spawn), a plain loop (AdamW, gradient
+  clipping) with the calibrator, each calibration micro-batch run as 2 parts, freezes the same
+  modes on both ranks from the same merged calibration, draws each rank's SR numbers, and ends
+  with the weights of ``adahop train`` (``--parallel ddp`` / ``fsdp2``) on the same data; a
+  calibrating pass outside ``split`` is an error there.
 - In one process it calibrates as the trainer does with the same split.
 - A step's parts, the split of dicts and tuples, and bad input (one-line errors).
 """
@@ -35,8 +36,9 @@ def run_config(out, parallel, calibration_steps=4):
                   warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0)
 
 
-def own_loop(cfg, rank: int, world: int, wrap) -> torch.nn.Module:
-    """A user's loop: convert, wrap, AdamW, clip; ``adahop.Calibrator`` around each step."""
+def own_loop(cfg, rank: int, world: int, wrap, no_sync=None) -> torch.nn.Module:
+    """A user's loop: convert, wrap (DDP, FSDP2), AdamW, clip; ``adahop.Calibrator`` around each
+    step. ``no_sync(module)``: the context of a part that does not reduce the gradient yet."""
     model = tiny_model()
     adahop.convert_to_adahop_training(model, config=cfg.adahop)
     forward = wrap(model)
@@ -51,7 +53,7 @@ def own_loop(cfg, rank: int, world: int, wrap) -> torch.nn.Module:
         with calibrator.step() as step:
             for i, (x, y) in enumerate(step.split(inputs, targets)):
                 last = i == step.parts - 1
-                with contextlib.nullcontext() if last or world == 1 else forward.no_sync():
+                with contextlib.nullcontext() if last or no_sync is None else no_sync(forward):
                     loss = torch.nn.functional.cross_entropy(forward(x).float().flatten(0, 1), y.flatten())
                     (loss / step.parts).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -67,10 +69,23 @@ def state(model) -> dict:
 
 
 def weight_difference(a, b) -> float:
-    return max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+    def whole(p):  # (an FSDP2 shard: the whole parameter)
+        return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+    return max(float((whole(p).detach() - whole(q).detach()).abs().max()) for p, q in zip(a.parameters(),
+                                                                                             b.parameters()))
 
 
 # ---- 2 processes ----------------------------------------------------------------------------------
+def shard(model):
+    """FSDP2: each block, then the model (float32 parameters, gradients reduced in float32)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    return fully_shard(model)
+
+
 def outside_split() -> str | None:
     """A calibrating step whose forward and backward run outside ``step.split``: the error."""
     model = calibrating_model()
@@ -91,13 +106,19 @@ def _entry(rank, world, port, root):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        cfg = run_config(Path(root) / "trainer", "ddp")
-        trainer_model = tiny_model()
-        train(cfg, model=trainer_model, train_batches=IndexedBatches())
-        # (a layer's SR counter is a buffer, per rank: no broadcast of rank 0's before each forward)
-        ours = own_loop(cfg, rank, world, lambda m: DistributedDataParallel(m, broadcast_buffers=False))
-        result = {"own": state(ours), "trainer": state(trainer_model),
-                  "weights": weight_difference(ours, trainer_model), "outside": outside_split()}
+        result = {"outside": outside_split()}
+        for kind in ("ddp", "fsdp2"):
+            cfg = run_config(Path(root) / kind, kind)
+            trainer_model = tiny_model()
+            train(cfg, model=trainer_model, train_batches=IndexedBatches())
+            if kind == "ddp":
+                # (a layer's SR counter is a buffer, per rank: no broadcast of rank 0's before each forward)
+                ours = own_loop(cfg, rank, world, lambda m: DistributedDataParallel(m, broadcast_buffers=False),
+                                no_sync=lambda m: m.no_sync())
+            else:
+                ours = own_loop(cfg, rank, world, shard)
+            result[kind] = {"own": state(ours), "trainer": state(trainer_model),
+                            "weights": weight_difference(ours, trainer_model)}
         Path(root, f"result.{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -110,19 +131,23 @@ def ranks(tmp_path_factory):
     return [json.loads(Path(root, f"result.{r}.json").read_text()) for r in range(2)]
 
 
-def test_a_ddp_loop_of_ones_own_freezes_the_trainers_modes_on_every_rank(ranks):
-    r0, r1 = ranks
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_a_loop_of_ones_own_freezes_the_trainers_modes_on_every_rank(ranks, kind):
+    r0, r1 = (r[kind] for r in ranks)
     assert r0["own"]["modes"] == r1["own"]["modes"] and all(m is not None for m in r0["own"]["modes"].values())
     assert any(mode != "bf16" for m in r0["own"]["modes"].values() for mode in m.values())
     assert r0["own"]["calibration"] == r1["own"]["calibration"]  # the merged numbers, the same on both
     # 2 rows a rank, 2 parts of 1 row: one observation a rank and step, merged: frozen after step 2
     assert all(sum(c["g"]["votes"].values()) == 4 for c in r0["own"]["calibration"].values())
-    for r in ranks:  # equal to adahop train's on the same data
+    for r in (r0, r1):  # equal to adahop train's on the same data
         assert r["own"]["modes"] == r["trainer"]["modes"] and r["own"]["calibration"] == r["trainer"]["calibration"]
         assert r["own"]["calls"] == r["trainer"]["calls"]
         assert r["weights"] == 0.0
     # the parts of a calibrating micro-batch are one SR call: 4 calls, the last rank r's 3 * 2 + r
     assert set(r0["own"]["calls"].values()) == {7} and set(r1["own"]["calls"].values()) == {8}
+
+
+def test_a_calibrating_pass_outside_split_is_an_error_under_several_ranks(ranks):
     assert all("outside step.split(...)" in r["outside"] for r in ranks)
 
 
