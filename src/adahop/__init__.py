@@ -3,9 +3,11 @@
 Layers, bottom to top: formats (MXFP4) -> transforms (Hadamard, the operand spec) -> patterns
 (detection, calibration) -> policy (strategy tables) -> config -> kernels (Triton) and ops (the
 dispatch: reference, triton, hopper_fp8, native_mx) -> layer_ops (the GEMMs as torch.library ops)
--> linear (the module) -> convert, modes_io, hf -> train, analyze, cli.
+-> linear (the module) -> convert, modes_io, hf, calibration (the ``Calibrator``), quantized_all_gather
+(FSDP2), oscillation -> train, analyze, cli.
 """
 
+from adahop.calibration import Calibrator
 from adahop.config import RECIPES, AdaHOPConfig, GemmConfig
 from adahop.convert import (
     adahop_layers,
@@ -27,6 +29,7 @@ __all__ = [
     "RECIPES",
     "AdaHOPConfig",
     "AdaHOPLinear",
+    "Calibrator",
     "GemmConfig",
     "MXFP4Tensor",
     "adahop_layers",
