@@ -2,7 +2,8 @@
 
 Two parts. The library is what a user's own training loop imports (formats, transforms,
 patterns, policy, config, kernels, ops, layer_ops, linear, shared_input, convert, modes_io,
-drift, hf, atomic_io: every top-level module or package not in ``HARNESS``). The harness is
+calibration, quantized_all_gather, oscillation, drift, hf, atomic_io, safe_paths: every top-level
+module or package not in ``HARNESS``). The harness is
 what ``adahop`` the program adds around it, the packages of ``HARNESS``, bottom to top. The rules:
 
 - the library never imports a harness package;

@@ -4,7 +4,8 @@ The library, the API a training loop of your own uses (what this module exports,
 packages), bottom to top: formats (MXFP4) -> transforms (Hadamard, the operand spec) -> patterns
 (detection, calibration) -> policy (strategy tables) -> config -> kernels (Triton) and ops (the
 dispatch: reference, triton, hopper_fp8, native_mx) -> layer_ops (the GEMMs as torch.library ops)
--> linear (the module) -> convert, modes_io, drift, hf; atomic_io (safe file writes) below all.
+-> linear (the module) -> convert, modes_io, drift, hf, calibration (the ``Calibrator``),
+quantized_all_gather (FSDP2), oscillation; atomic_io (safe file writes) and safe_paths below all.
 
 The harness, the ``adahop`` program built on the library and not needed to use it, bottom to top:
 data (sources, tokenizers, corpus, zero-shot tasks) -> llama (adahop's Llama, pretrained weights)
@@ -12,6 +13,7 @@ data (sources, tokenizers, corpus, zero-shot tasks) -> llama (adahop's Llama, pr
 harness (tests/test_layout.py).
 """
 
+from adahop.calibration import Calibrator
 from adahop.config import RECIPES, AdaHOPConfig, GemmConfig
 from adahop.convert import (
     adahop_layers,
@@ -33,6 +35,7 @@ __all__ = [
     "RECIPES",
     "AdaHOPConfig",
     "AdaHOPLinear",
+    "Calibrator",
     "GemmConfig",
     "MXFP4Tensor",
     "adahop_layers",

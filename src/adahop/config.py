@@ -131,6 +131,11 @@ class AdaHOPConfig:
     tau: float = DEFAULT_TAU
     backend: str = "auto"
     seed: int = 0
+    # Under FSDP2, all-gather each layer's weight as the forward GEMM's MXFP4 operand (4.25 bits a
+    # value, not bf16's 16) once its modes allow, the same bits as gathering it whole
+    # (adahop.quantized_all_gather; docs/distributed.md). The converted weights are set up for it;
+    # the model is sharded with FSDP2's own fully_shard. Needs dgrad_weight "forward".
+    quantized_all_gather: bool = False
 
     def __post_init__(self):
         for gemm in GEMMS:
@@ -152,7 +157,7 @@ class AdaHOPConfig:
                                  "GEMM in BF16")
         check_tau(self.tau)
         check_seed(self.seed)
-        for flag in ("adaptive", "share_input"):
+        for flag in ("adaptive", "share_input", "quantized_all_gather"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         steps = self.calibration_steps
@@ -160,6 +165,13 @@ class AdaHOPConfig:
             raise ValueError(f"calibration_steps must be an int >= 1, got {steps!r}")
         if not self.adaptive:
             check_modes(self.fixed_modes())
+        if self.quantized_all_gather:
+            if self.dgrad_weight != "forward":
+                raise ValueError("quantized_all_gather gathers only the forward GEMM's quantized weight: it needs "
+                                 f"dgrad_weight 'forward' (--dgrad-weight forward), got {self.dgrad_weight!r}")
+            if not self.adaptive and set(self.fixed_modes().values()) == {"bf16"}:
+                raise ValueError(f"quantized_all_gather: recipe {self.recipe!r} runs no MXFP4 GEMM, there is nothing "
+                                 "to gather quantized")
         if self.policy == "measured" and (self.policy_fn is None or isinstance(self.policy_fn, _ConfigMeasuredPolicy)):
             # k is part of the choice (from k/4 to 2k of each GEMM's oe_k: quant_error.oe_k_ladder)
             object.__setattr__(self, "policy_fn", _ConfigMeasuredPolicy(self.hp_budget, None))

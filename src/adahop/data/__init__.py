@@ -4,7 +4,7 @@ in windows (``corpus``), the zero-shot tasks' items (``tasks``), and the pinned 
 GGUF tokenizers (``smollm2``, ``gguf``), whose tokenizer is data even though its weights are a
 model's (``adahop.llama.pretrained`` loads those).
 
-Harness, not library: ``adahop train``, ``adahop data`` and ``adahop eval`` read it; it imports
-only the library's ``atomic_io`` and never ``llama``, ``train``, ``analyze`` or ``cli`` (above it;
-tests/test_layout.py).
+Harness, not library: ``adahop train``, ``adahop data`` and ``adahop eval`` read it. It imports
+only the library (``atomic_io``, ``safe_paths``), never ``llama``, ``train``, ``analyze`` or
+``cli``, which sit above it (tests/test_layout.py).
 """

@@ -1,5 +1,5 @@
 """The training loop: AdamW with warm-up + cosine decay, gradient clipping and accumulation,
-optional BF16 autocast, AdaHOP calibration handled by the layers themselves, JSONL logs, a
+optional BF16 autocast, AdaHOP calibration by the library's ``Calibrator``, JSONL logs, a
 progress bar, atomic checkpoints and exact resume.
 
 Exact resume: a checkpoint holds everything the next step depends on (model, including the AdaHOP
@@ -14,7 +14,6 @@ and summary, every rank writes its part of a sharded checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import sys
@@ -28,9 +27,11 @@ from torch import nn
 
 import adahop
 from adahop.atomic_io import atomic_write_bytes, ensure_writable_dir
+from adahop.calibration import Calibrator
 from adahop.config import AdaHOPConfig
 from adahop.convert import MIN_FEATURES, check_min_features, size_filter
 from adahop.llama.pretrained import check_init
+from adahop.oscillation import add_dampening_grad, check_dampening
 from adahop.train.checkpoint import (
     is_sharded,
     latest_checkpoint,
@@ -44,7 +45,6 @@ from adahop.train.checkpoint import (
 )
 from adahop.train.compile import compile_blocks, compile_model
 from adahop.train.distributed import PARALLEL_CHOICES, Parallel
-from adahop.train.oscillation import add_dampening_grad, check_dampening
 from adahop.train.precision import (
     apply_bf16_phase,
     block_filter,
@@ -53,7 +53,7 @@ from adahop.train.precision import (
     phase_switch_step,
     validate_schedule,
 )
-from adahop.train.run_folder import RunLock
+from adahop.train.run_folder import RunLock, set_aside_previous_run
 from adahop.train.run_log import LOG_NAME, JsonlLog
 
 
@@ -99,7 +99,7 @@ class TrainConfig:
     min_features: int = MIN_FEATURES
     bf16_phase_start: float | None = None  # fraction of the steps after which bf16_phase_gemms run BF16
     bf16_phase_gemms: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
-    # lambda of the oscillation-dampening term lambda * ||W - Q(W)||^2 (train/oscillation.py); 0: off
+    # lambda of the oscillation-dampening term lambda * ||W - Q(W)||^2 (adahop.oscillation); 0: off
     oscillation_dampening: float = 0.0
     # machinery
     seed: int = 0  # model initialisation and data order (the SR streams follow adahop.seed)
@@ -110,7 +110,9 @@ class TrainConfig:
     compile: str = "auto"
     cudagraphs: bool = False  # with the model compiled: replay each step as CUDA graphs (reduce-overhead)
     parallel: str = "none"  # "ddp" or "fsdp2" under torchrun (train/distributed.py; batch_size is the global batch)
-    # fsdp2: gather each AdaHOP layer's weight as the forward GEMM's MXFP4 operand (train/quantized_all_gather.py)
+    # fsdp2: gather each AdaHOP layer's weight as the forward GEMM's MXFP4 operand
+    # (adahop.quantized_all_gather): this run's spelling of adahop.quantized_all_gather, either one
+    # turns it on (``gathers_quantized``)
     quantized_all_gather: bool = False
     log_every: int = 1
     sync_every: int = 10  # read losses back from the device every this many steps (see train())
@@ -128,6 +130,11 @@ class TrainConfig:
     @property
     def recipe(self) -> str:
         return self.adahop.recipe
+
+    @property
+    def gathers_quantized(self) -> bool:
+        """FSDP2 gathers the AdaHOP weights quantized: ``quantized_all_gather`` here or in ``adahop``."""
+        return self.quantized_all_gather or self.adahop.quantized_all_gather
 
     def to_dict(self) -> dict:
         """Plain data for config.json and the checkpoint (``from_dict`` reads it back)."""
@@ -213,8 +220,8 @@ class TrainConfig:
         validate_schedule(self.steps, self.grad_accum, self.bf16_phase_start,
                           self.adahop.calibration_steps if self.adahop.adaptive else None)
         device = resolve_device(self.device)
-        if self.quantized_all_gather:
-            from adahop.train.quantized_all_gather import check_config
+        if self.gathers_quantized:
+            from adahop.quantized_all_gather import check_config
 
             check_config(self.parallel, self.adahop, resolve_compile(self, device))
         # The backend is first asked for at the first MXFP4 step, after the BF16 calibration:
@@ -309,7 +316,8 @@ class StopTraining(Exception):  # noqa: N818  (a signal, not an error)
 # (``adahop.backend`` may change too: every backend gives the reference's quantized bits, and
 # their GEMMs differ only in accumulation order.)
 # (``parallel`` may change between ddp and fsdp2: their sharded checkpoints are the same format.)
-# (``quantized_all_gather`` may change: it gathers the operand the layer would quantize, bit for bit.)
+# (``quantized_all_gather`` and ``adahop.quantized_all_gather`` may change: it gathers the operand the
+# layer would quantize, bit for bit.)
 # (``adahop.share_input`` may change: the layers that read one x give the same bits either way.)
 # (``init`` may not: it names what the run's weights started from. A resumed run's weights are
 # the checkpoint's, loaded over the freshly loaded pretrained ones.)
@@ -325,7 +333,8 @@ def resume_conflicts(saved: dict, cfg: TrainConfig) -> list[str]:
     a, b = TrainConfig.from_dict(saved).to_dict(), cfg.to_dict()
     a["adahop"]["policy_fn"] = (saved.get("adahop") or {}).get("policy_fn")
     out = [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if k not in RESUMABLE_CHANGES and k != "adahop" and a[k] != b[k]]
-    qa, qb = dict(a["adahop"], backend=None, share_input=None), dict(b["adahop"], backend=None, share_input=None)
+    resumable = {"backend": None, "share_input": None, "quantized_all_gather": None}
+    qa, qb = dict(a["adahop"], **resumable), dict(b["adahop"], **resumable)
     out += [f"adahop.{k}: {qa[k]!r} -> {qb[k]!r}" for k in qa if qa[k] != qb[k]]
     return out
 
@@ -347,7 +356,9 @@ def train(
     The run folder ``cfg.out_dir`` is checked writable and locked for this process first
     (``run_folder``). With ``resume``, its latest checkpoint is continued, if its config matches
     (``resume_conflicts``); a run that has already finished is left as it is (the summary it
-    wrote comes back with ``"already_finished": True``).
+    wrote comes back with ``"already_finished": True``). Without, the files of a run already
+    there are moved into ``previous-N/`` (``run_folder.set_aside_previous_run``) and the run
+    starts in a clean folder.
 
     ``stop_after``: stop after that many steps of this call (to test interruption).
     ``on_step(step, model)``: called after each optimizer step (``step`` counts from 1), before
@@ -364,7 +375,11 @@ def train(
             par.check_batch(cfg.batch_size, cfg.calibration_micro_batches)
             if par.is_main:  # one owner of the folder; the other ranks write only their checkpoint parts
                 lock = RunLock(out).acquire()
-        except ValueError as e:
+                moved = set_aside_previous_run(out, new_run=not resume)
+                if moved is not None:
+                    print(f"{out} held another run: its files are moved to {moved}, and this run starts in a "
+                          "clean folder", file=sys.stderr)
+        except (ValueError, OSError) as e:
             error = e
         par.agree(error)
         return _train(cfg, out, par, model=model, train_batches=train_batches, eval_fn=eval_fn, resume=resume,
@@ -460,7 +475,7 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
         compile_model(model, **({"mode": "reduce-overhead"} if cfg.cudagraphs else {}))
     elif compile_mode == "blocks":
         compile_blocks(model)
-    par.shard_model(model, bf16=use_bf16, quantized_all_gather=cfg.quantized_all_gather)  # FSDP2: before the optimizer
+    par.shard_model(model, bf16=use_bf16, quantized_all_gather=cfg.gathers_quantized)  # FSDP2: before the optimizer
     opt = make_optimizer(model, cfg)
 
     start_step = 0
@@ -472,8 +487,8 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
         train_batches.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         start_step = state["step"]
-    par.prepare(model)
-    par.check_modes(f"after loading {found}" if state is not None else "at the start of training")
+    calibrator = Calibrator(model, micro_batches=cfg.calibration_micro_batches,
+                            checked_at=f"after loading {found}" if state is not None else "at the start of training")
     forward = par.wrap(model)
     main = par.is_main
     log = JsonlLog(out / LOG_NAME, start_step if state is not None else None) if main else _NoLog()
@@ -535,32 +550,23 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
             opt.zero_grad(set_to_none=True)
             par.start_step()
             loss_sum = torch.zeros((), device=device)
-            # A step that begins calibrating splits each micro-batch (calibration_micro_batches).
-            # Calibration is host state, the same on every rank (merged), so no rank runs more
-            # forwards (and collectives) than another.
-            splits = 1 if adahop.is_calibrated(model) else cfg.calibration_micro_batches
-            passes = cfg.grad_accum * splits
-            for micro in range(cfg.grad_accum):
-                inputs, targets = par.shard(*next(train_batches))
-                inputs, targets = inputs.to(device), targets.to(device)
-                # The parts of a micro-batch whose layers all calibrate with BF16 GEMMs are one SR
-                # call (AdaHOPLinear: they draw no bits), so one rank's number; any other
-                # part is a call of its own.
-                one_call = splits > 1 and _bf16_calibrating(model)
-                with _split(model, splits):
-                    for part, (part_inputs, part_targets) in enumerate(zip(inputs.chunk(splits),
-                                                                           targets.chunk(splits))):
-                        if part == 0 or not one_call:
-                            counters = par.align_sr_counters()
-                        par.start_calibration_step()
-                        last_part = micro == cfg.grad_accum - 1 and part == splits - 1
+            # The calibration protocol (adahop.calibration): a step that begins calibrating runs each
+            # micro-batch as calibration_micro_batches parts; every forward's SR numbers are this
+            # rank's; the ranks' observations are merged after each backward, the layers frozen
+            # from them. Calibration is host state, the same on every rank (merged), so no rank
+            # runs more forwards (and collectives) than another.
+            with calibrator.step(step + 1) as cal_step:
+                passes = cfg.grad_accum * cal_step.parts
+                for micro in range(cfg.grad_accum):
+                    inputs, targets = par.shard(*next(train_batches))
+                    inputs, targets = inputs.to(device), targets.to(device)
+                    for part, (part_inputs, part_targets) in enumerate(cal_step.split(inputs, targets)):
+                        last_part = micro == cfg.grad_accum - 1 and part == cal_step.parts - 1
                         with par.no_sync(forward, last_micro_batch=last_part):
                             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
                                 logits = forward(part_inputs)
                             loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), part_targets.flatten())
                             (loss / passes).backward()
-                        par.check_sr_counters(counters)
-                        par.merge_calibration(step + 1)
                         loss_sum += loss.detach()
             add_dampening_grad(model, cfg.oscillation_dampening, torch.bfloat16 if use_bf16 else torch.float32)
             grad_norm = par.clip_grad_norm(model.parameters(), cfg.grad_clip)
@@ -625,27 +631,6 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
                           json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1))
     par.barrier()  # the summary is written before any rank returns
     return summary
-
-
-def _bf16_calibrating(model: nn.Module) -> bool:
-    """Every converted layer of ``model`` calibrates, with BF16 GEMMs."""
-    layers = adahop.adahop_layers(model).values()
-    return bool(layers) and all(m.calibrating and m.config.calibration_gemms == "bf16" for m in layers)
-
-
-@contextlib.contextmanager
-def _split(model: nn.Module, splits: int):
-    """The context of a micro-batch run as ``splits`` parts (``splits`` > 1): the layers merge
-    its parts into one calibration observation (``adahop.calibration_parts``), and the model runs
-    eagerly. While a layer calibrates the compiled model runs eagerly anyway
-    (train/compile.py); once calibration ends within the step (with grad_accum > 1), its remaining
-    parts would compile the model at their smaller shape, and the next step, at the full batch,
-    would compile it again with a dynamic batch dim."""
-    if splits == 1:
-        yield
-        return
-    with adahop.calibration_parts(model, splits), torch.compiler.set_stance("force_eager"):
-        yield
 
 
 def write_text_atomic(path: Path, text: str) -> None:
