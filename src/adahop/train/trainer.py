@@ -31,6 +31,7 @@ import adahop
 from adahop.atomic_io import atomic_write_bytes
 from adahop.config import AdaHOPConfig
 from adahop.convert import MIN_FEATURES, check_min_features, size_filter
+from adahop.modes_io import save_modes
 from adahop.recipes import recipe_name
 from adahop.schedule import PrecisionSchedule
 from adahop.train.checkpoint import (
@@ -632,8 +633,8 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
         "final_eval": eval_result,
     }
     if finished and main:
-        modes = {fqn: dict(layer.modes or {}) for fqn, layer in adahop.adahop_layers(model).items()}
-        write_text_atomic(out / "modes.json", json.dumps(modes, indent=1))
+        if adahop.is_calibrated(model):  # save_modes' format (with a measured policy's OE k); none while calibrating
+            save_modes(model, out / "modes.json")
         write_text_atomic(out / "summary.json",
                           json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1))
     par.barrier()  # the summary is written before any rank returns
