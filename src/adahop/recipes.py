@@ -12,7 +12,8 @@
 In a loop of your own::
 
     r = adahop.recipe("adahop_lv2_tail")
-    adahop.convert_to_adahop_training(model, config=r.config)
+    adahop.convert_to_adahop_training(model, config=r.config,
+                                      module_filter_fn=r.schedule.module_filter(model))  # its BF16 blocks, if any
     for step in range(total_steps):
         r.schedule.apply(model, step, total_steps)   # the BF16 phase, from its step on
         ...                                          # forward, backward, optimizer step
@@ -23,7 +24,6 @@ raises, naming ``adahop.recipe``, so that no schedule is dropped without a word.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from adahop.config import RECIPES, AdaHOPConfig
@@ -81,7 +81,7 @@ def recipe(name: str, **overrides) -> Recipe:
         numerics, schedule = name, NO_SCHEDULE
     else:
         raise ValueError(f"unknown recipe {name!r}; known recipes: {RECIPE_NAMES}")
-    return Recipe(name, dataclasses.replace(RECIPES[numerics](), **overrides), schedule)
+    return Recipe(name, AdaHOPConfig.from_recipe_name(numerics, **overrides), schedule)
 
 
 def recipe_name(numerics: str, schedule: PrecisionSchedule) -> str:
