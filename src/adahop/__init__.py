@@ -4,7 +4,8 @@ Layers, bottom to top: formats (MXFP4) -> transforms (Hadamard, the operand spec
 (detection, calibration) -> policy (strategy tables) -> config -> kernels (Triton) and ops (the
 dispatch: reference, triton, hopper_fp8, native_mx) -> layer_ops (the GEMMs as torch.library ops)
 -> linear (the module) -> convert, modes_io, hf, calibration (the ``Calibrator``), quantized_all_gather
-(FSDP2), oscillation -> train, analyze, cli.
+(FSDP2), oscillation -> schedule (BF16 phase and blocks) -> recipes (numerics + schedule,
+``adahop.recipe``) -> train, analyze, cli.
 """
 
 from adahop.calibration import Calibrator
@@ -21,6 +22,8 @@ from adahop.linear import AdaHOPLinear
 from adahop.modes_io import load_modes, save_modes
 from adahop.patterns.detect import detect_outlier_pattern
 from adahop.policy import modes_from_patterns
+from adahop.recipes import Recipe, recipe
+from adahop.schedule import PrecisionSchedule
 from adahop.transforms.hadamard import block_hadamard, inverse_block_hadamard
 
 __version__ = "0.1.0"
@@ -32,6 +35,8 @@ __all__ = [
     "Calibrator",
     "GemmConfig",
     "MXFP4Tensor",
+    "PrecisionSchedule",
+    "Recipe",
     "adahop_layers",
     "block_hadamard",
     "convert_to_adahop_training",
@@ -45,5 +50,6 @@ __all__ = [
     "load_modes",
     "modes_from_patterns",
     "quantize_mxfp4",
+    "recipe",
     "save_modes",
 ]

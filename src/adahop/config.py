@@ -19,6 +19,10 @@ recipe          what it does
                 high precision (``policy.MeasuredPolicy``)
 ==============  ===============================================================================
 
+These are the numerics recipes. A recipe may add a precision schedule (a BF16 phase, BF16 blocks:
+``adahop.schedule``): ``adahop.recipe(name)`` (``adahop.recipes``) gives every recipe, these and
+the scheduled ones such as ``adahop_lv2_tail``, ``adahop train``'s default.
+
 Rounding (docs/method.md, 'Stochastic rounding'): RNE for X and W, SR for G, unless a recipe says otherwise. Every
 GEMM has its own ``GemmConfig`` (Hadamard size, random signs, OE k, rounding of each operand,
 scale mode), so a policy or an experiment changes one GEMM without touching the others.
@@ -242,8 +246,19 @@ class AdaHOPConfig:
 
     @classmethod
     def from_recipe_name(cls, name: str, **overrides) -> AdaHOPConfig:
-        """One of ``RECIPES``; keyword overrides replace fields of the result."""
+        """One of ``RECIPES``; keyword overrides replace fields of the result. A scheduled recipe
+        (``adahop.recipes.SCHEDULED_RECIPES``, e.g. ``adahop_lv2_tail``) is a ValueError naming
+        ``adahop.recipe``, which gives its config and its schedule: a config alone would drop the
+        schedule without a word."""
         if name not in RECIPES:
+            # (imported here: adahop.recipes builds its recipes on this module)
+            from adahop.recipes import SCHEDULED_RECIPES
+
+            if name in SCHEDULED_RECIPES:
+                numerics, schedule = SCHEDULED_RECIPES[name]
+                raise ValueError(f"recipe {name!r} is {numerics} with a precision schedule ({schedule.describe()}), "
+                                 f"which an AdaHOPConfig does not hold: use adahop.recipe({name!r}) for both (its "
+                                 f".config and .schedule), or from_recipe_name({numerics!r}) for the numerics alone")
             raise ValueError(f"unknown recipe {name!r}; known recipes: {tuple(RECIPES)}")
         return dataclasses.replace(RECIPES[name](), **overrides)
 
