@@ -173,8 +173,8 @@ def test_divergence_is_one_line_naming_the_step_and_the_checkpoint(corpus, tmp_p
 
     monkeypatch.setattr(run_mod, "open_run", poisoned)
     run = tmp_path / "nan"
-    assert cli.main(train_args(corpus, run, steps=6)) == 2
-    one_line_error(capsys, "training diverged", "at step 4", "no checkpoint was written")
+    assert cli.main(train_args(corpus, run, recipe="adahop_lv2_tail", steps=6)) == 2
+    one_line_error(capsys, "training diverged", "at step 4", "(adahop_lv2_tail, lr 0.003)", "no checkpoint was written")
 
 
 def test_a_foreign_checkpoint_in_the_run_folder(corpus, tmp_path, capsys):
@@ -228,7 +228,7 @@ def test_quickstart_trains_bf16_and_the_default_recipe_on_the_cpu_preset(tmp_pat
     assert DEFAULT_RECIPE == "adahop_lv2_tail" and order == ["corpus", "train", "train", "compare"]
     assert [(Path(c.out_dir).name, c.recipe, c.steps, c.bf16_phase_start, c.bf16_phase_gemms) for c in trained] == [
         ("cpu-bf16", "bf16", 300, None, ("fprop", "dgrad", "wgrad")),
-        ("cpu-adahop_lv2_tail", "adahop_lv2", 300, 0.82, ("fprop",))]
+        ("cpu-adahop_lv2_tail", "adahop_lv2_tail", 300, 0.82, ("fprop",))]
 
 
 def test_quickstart_twice_leaves_the_first_runs_as_they_are(corpus, tmp_path, capsys, monkeypatch):
@@ -454,10 +454,11 @@ def test_the_default_recipe_is_the_tail_and_an_own_config_runs_no_phase():
     """adahop train and preset() default to adahop_lv2_tail; an experiment's own AdaHOP config
     (preset's ``adahop``) gets no phase unless it names one."""
     from adahop.config import AdaHOPConfig
-    from adahop.train.recipes import preset, recipe_label
+    from adahop.train.recipes import preset
 
     default = preset("debug")
-    assert (default.recipe, default.bf16_phase_start, default.bf16_phase_gemms) == ("adahop_lv2", 0.82, ("fprop",))
+    assert (default.adahop.recipe, default.bf16_phase_start, default.bf16_phase_gemms) == \
+        ("adahop_lv2", 0.82, ("fprop",))
     assert cli.parse_args(["train"]).recipe == "adahop_lv2_tail"
     own = AdaHOPConfig.from_recipe_name("mxfp4")
     assert preset("debug", adahop=own).bf16_phase_start is None
@@ -465,11 +466,11 @@ def test_the_default_recipe_is_the_tail_and_an_own_config_runs_no_phase():
     assert preset("debug", adahop=own, bf16_phase_start=0.5).bf16_phase_start == 0.5
     assert preset("debug", recipe="adahop_lv2").bf16_phase_start is None
     # a run's recipe in the tables and messages: the scheduled name, else the numerics and the phase
-    assert recipe_label(default) == "adahop_lv2_tail" and recipe_label(preset("debug", recipe="bf16")) == "bf16"
-    assert recipe_label(preset("debug", recipe="adahop_lv2")) == "adahop_lv2"
-    assert recipe_label(preset("debug", recipe="adahop_lv2", bf16_phase_start=0.5)) == \
+    assert default.recipe == "adahop_lv2_tail" and preset("debug", recipe="bf16").recipe == "bf16"
+    assert preset("debug", recipe="adahop_lv2").recipe == "adahop_lv2"
+    assert preset("debug", recipe="adahop_lv2", bf16_phase_start=0.5).recipe == \
         "adahop_lv2, fprop/dgrad/wgrad BF16 from 50%"
-    assert recipe_label(preset("debug", recipe="mxfp4", bf16_phase_start=0.9, bf16_phase_gemms=("fprop",))) == \
+    assert preset("debug", recipe="mxfp4", bf16_phase_start=0.9, bf16_phase_gemms=("fprop",)).recipe == \
         "mxfp4, fprop BF16 from 90%"
 
 

@@ -73,7 +73,8 @@ def test_every_recipe_trains(recipe, tmp_path):
     log = read_log(cfg.out_dir)
     assert [r["step"] for r in log] == list(range(1, 31))
     modes = json.loads((tmp_path / "run" / "modes.json").read_text())
-    assert len(modes) == 8 and all(set(m) == {"fprop", "dgrad", "wgrad"} for m in modes.values())
+    assert len(modes) == 8 and all({"fprop", "dgrad", "wgrad"} <= set(m) <= {"fprop", "dgrad", "wgrad", "patterns",
+                                                                              "oe_k"} for m in modes.values())
 
 
 def test_resume_gives_the_same_losses(tmp_path):
@@ -85,6 +86,38 @@ def test_resume_gives_the_same_losses(tmp_path):
     second = train(cfg, model=tiny_model(seed=123), train_batches=CountingBatches(seed=99))
     assert first["losses"] + second["losses"] == full["losses"]  # bit for bit
     assert [r["loss"] for r in read_log(cfg.out_dir)] == full["losses"]
+
+
+def test_a_runs_files_name_its_recipe_and_a_checkpoint_of_before_resumes(tmp_path):
+    """A run of adahop_lv2's numerics and adahop_lv2_tail's BF16 phase is adahop_lv2_tail in its
+    config.json and summary.json (its layers' numerics stay adahop_lv2); a checkpoint whose config
+    has no "recipe" (as the trainer wrote them before the files named it) resumes at its step and
+    gives the same losses."""
+    from pathlib import Path
+
+    tail = adahop.recipe("adahop_lv2_tail").schedule
+
+    def phase_config(name):
+        return config(tmp_path / name, steps=10, ckpt_every=4).with_schedule(tail)
+
+    full = train(phase_config("a"), model=tiny_model(), train_batches=CountingBatches())
+    out = tmp_path / "a" / "run"
+    assert json.loads((out / "summary.json").read_text())["recipe"] == "adahop_lv2_tail"
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["recipe"], saved["adahop"]["recipe"], saved["bf16_phase_start"]) == \
+        ("adahop_lv2_tail", "adahop_lv2", 0.82)
+    assert TrainConfig.from_dict(saved).to_dict() == phase_config("a").to_dict()
+    cfg = phase_config("b")
+    first = train(cfg, model=tiny_model(), train_batches=CountingBatches(), stop_after=4)
+    path = ckpt.latest_checkpoint(Path(cfg.out_dir) / "checkpoints")
+    state = ckpt.load_checkpoint(path)
+    del state["config"]["recipe"]
+    torch.save(state, path)
+    old = json.loads((Path(cfg.out_dir) / "config.json").read_text())
+    del old["recipe"]
+    (Path(cfg.out_dir) / "config.json").write_text(json.dumps(old))
+    second = train(cfg, model=tiny_model(seed=123), train_batches=CountingBatches(seed=99))
+    assert len(second["losses"]) == 6 and first["losses"] + second["losses"] == full["losses"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the checkpoint is loaded onto a GPU")

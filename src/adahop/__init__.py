@@ -5,7 +5,8 @@ packages), bottom to top: formats (MXFP4) -> transforms (Hadamard, the operand s
 (detection, calibration) -> policy (strategy tables) -> config -> kernels (Triton) and ops (the
 dispatch: reference, triton, hopper_fp8, native_mx) -> layer_ops (the GEMMs as torch.library ops)
 -> linear (the module) -> convert, modes_io, drift, hf, calibration (the ``Calibrator``),
-quantized_all_gather (FSDP2), oscillation; atomic_io (safe file writes) and safe_paths below all.
+quantized_all_gather (FSDP2), oscillation -> schedule (BF16 phase and blocks) -> recipes (numerics
++ schedule, ``adahop.recipe``); atomic_io (safe file writes) and safe_paths below all.
 
 The harness, the ``adahop`` program built on the library and not needed to use it, bottom to top:
 data (sources, tokenizers, corpus, zero-shot tasks) -> llama (adahop's Llama, pretrained weights)
@@ -27,6 +28,8 @@ from adahop.linear import AdaHOPLinear
 from adahop.modes_io import load_modes, save_modes
 from adahop.patterns.detect import detect_outlier_pattern
 from adahop.policy import modes_from_patterns
+from adahop.recipes import Recipe, recipe
+from adahop.schedule import PrecisionSchedule
 from adahop.transforms.hadamard import block_hadamard, inverse_block_hadamard
 
 __version__ = "0.1.0"
@@ -38,6 +41,8 @@ __all__ = [
     "Calibrator",
     "GemmConfig",
     "MXFP4Tensor",
+    "PrecisionSchedule",
+    "Recipe",
     "adahop_layers",
     "block_hadamard",
     "convert_to_adahop_training",
@@ -51,5 +56,6 @@ __all__ = [
     "load_modes",
     "modes_from_patterns",
     "quantize_mxfp4",
+    "recipe",
     "save_modes",
 ]

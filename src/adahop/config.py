@@ -19,6 +19,10 @@ recipe          what it does
                 high precision (``policy.MeasuredPolicy``)
 ==============  ===============================================================================
 
+These are the numerics recipes. A recipe may add a precision schedule (a BF16 phase, BF16 blocks:
+``adahop.schedule``): ``adahop.recipe(name)`` (``adahop.recipes``) gives every recipe, these and
+the scheduled ones such as ``adahop_lv2_tail``, ``adahop train``'s default.
+
 Rounding (docs/method.md, 'Stochastic rounding'): RNE for X and W, SR for G, unless a recipe says otherwise. Every
 GEMM has its own ``GemmConfig`` (Hadamard size, random signs, OE k, rounding of each operand,
 scale mode), so a policy or an experiment changes one GEMM without touching the others.
@@ -242,8 +246,13 @@ class AdaHOPConfig:
 
     @classmethod
     def from_recipe_name(cls, name: str, **overrides) -> AdaHOPConfig:
-        """One of ``RECIPES``; keyword overrides replace fields of the result."""
+        """One of ``RECIPES``; keyword overrides replace fields of the result. A scheduled recipe
+        (``adahop.recipes.SCHEDULED_RECIPES``, e.g. ``adahop_lv2_tail``) is a ValueError naming
+        ``adahop.recipe``, which gives its config and its schedule: a config alone would drop the
+        schedule without a word."""
         if name not in RECIPES:
+            if name in SCHEDULED_RECIPE_REFUSALS:
+                raise ValueError(SCHEDULED_RECIPE_REFUSALS[name])
             raise ValueError(f"unknown recipe {name!r}; known recipes: {tuple(RECIPES)}")
         return dataclasses.replace(RECIPES[name](), **overrides)
 
@@ -295,6 +304,12 @@ def adahop_lv1() -> AdaHOPConfig:
 def adahop_measured() -> AdaHOPConfig:
     return AdaHOPConfig(recipe="adahop_measured", policy="measured")
 
+
+# Why from_recipe_name refuses each recipe of adahop.recipes.SCHEDULED_RECIPES (numerics plus a
+# precision schedule), by name. adahop.recipes fills it as it defines them: it is built on this
+# module, which therefore cannot import it (no import cycle: tests/test_layout.py), and the package
+# imports it, so it is filled before any call.
+SCHEDULED_RECIPE_REFUSALS: dict[str, str] = {}
 
 RECIPES: dict[str, Callable[[], AdaHOPConfig]] = {
     "bf16": bf16,

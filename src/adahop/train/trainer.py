@@ -14,6 +14,7 @@ and summary, every rank writes its part of a sharded checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -31,7 +32,10 @@ from adahop.calibration import Calibrator
 from adahop.config import AdaHOPConfig
 from adahop.convert import MIN_FEATURES, check_min_features, size_filter
 from adahop.llama.pretrained import check_init
+from adahop.modes_io import save_modes
 from adahop.oscillation import add_dampening_grad, check_dampening
+from adahop.recipes import recipe_name
+from adahop.schedule import PrecisionSchedule
 from adahop.train.checkpoint import (
     is_sharded,
     latest_checkpoint,
@@ -45,14 +49,6 @@ from adahop.train.checkpoint import (
 )
 from adahop.train.compile import compile_blocks, compile_model
 from adahop.train.distributed import PARALLEL_CHOICES, Parallel
-from adahop.train.precision import (
-    apply_bf16_phase,
-    block_filter,
-    check_bf16_blocks,
-    check_bf16_phase,
-    phase_switch_step,
-    validate_schedule,
-)
 from adahop.train.run_folder import RunLock, set_aside_previous_run
 from adahop.train.run_log import LOG_NAME, JsonlLog
 
@@ -92,7 +88,8 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
-    # where and when the run leaves MXFP4 (train/precision.py)
+    # where and when the run leaves MXFP4: the fields of its adahop.schedule.PrecisionSchedule
+    # (``schedule``), which checks them
     bf16_blocks: tuple[int, int] = (0, 0)  # the first and last blocks' linears stay BF16
     # linears whose layer_size (the harmonic mean of in and out features) is below this stay BF16
     # (adahop.convert, 'the size rule')
@@ -128,8 +125,23 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
     @property
+    def schedule(self) -> PrecisionSchedule:
+        """The run's precision schedule (a ValueError if its fields are not one)."""
+        return PrecisionSchedule(bf16_phase_start=self.bf16_phase_start, bf16_phase_gemms=self.bf16_phase_gemms,
+                                 bf16_blocks=self.bf16_blocks)
+
+    def with_schedule(self, schedule: PrecisionSchedule) -> TrainConfig:
+        """The same config with ``schedule``'s fields."""
+        return dataclasses.replace(self, bf16_phase_start=schedule.bf16_phase_start,
+                                   bf16_phase_gemms=schedule.bf16_phase_gemms, bf16_blocks=schedule.bf16_blocks)
+
+    @property
     def recipe(self) -> str:
-        return self.adahop.recipe
+        """The run's recipe as ``adahop train`` names it (``adahop.recipes.recipe_name``): the
+        scheduled recipe its numerics and BF16 phase make (adahop_lv2_tail), else its numerics
+        recipe, with the phase where it has one of its own. The layers' numerics recipe is
+        ``adahop.recipe``."""
+        return recipe_name(self.adahop.recipe, self.schedule)
 
     @property
     def gathers_quantized(self) -> bool:
@@ -137,8 +149,10 @@ class TrainConfig:
         return self.quantized_all_gather or self.adahop.quantized_all_gather
 
     def to_dict(self) -> dict:
-        """Plain data for config.json and the checkpoint (``from_dict`` reads it back)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        """Plain data for config.json and the checkpoint (``from_dict`` reads it back). "recipe"
+        is the run's recipe (``recipe``), for a reader of the file; it is made from the other
+        fields, so ``from_dict`` reads it as it reads nothing."""
+        d = {"recipe": self.recipe, **{f.name: getattr(self, f.name) for f in fields(self)}}
         d["adahop"] = self.adahop.to_dict()
         d["extra"] = dict(self.extra)
         return d
@@ -156,6 +170,7 @@ class TrainConfig:
                 k: flat[k] for k in ("calibration_steps", "backend") if k in flat})
             d["adahop"] = q.with_gemm_settings(oe_k=flat["oe_k"]) if "oe_k" in flat else q
         elif "adahop" in d:
+            d.pop("recipe", None)  # the run's recipe, made from the other fields (to_dict)
             d["adahop"] = AdaHOPConfig.from_dict(d["adahop"])
         if isinstance(d.get("compile"), bool):  # adahop 0.1.0: True compiled each block
             d["compile"] = "blocks" if d["compile"] else "none"
@@ -211,14 +226,13 @@ class TrainConfig:
             raise ValueError(f"parallel must be one of {PARALLEL_CHOICES}, got {self.parallel!r}")
         if self.autocast not in ("auto", "bf16", "none"):
             raise ValueError(f"autocast must be 'auto', 'bf16' or 'none', got {self.autocast!r}")
-        check_bf16_blocks(self.bf16_blocks)
+        schedule = self.schedule  # its fields checked
         check_min_features(self.min_features)
         check_dampening(self.oscillation_dampening)
         if self.oscillation_dampening and self.parallel == "fsdp2":
             raise ValueError("oscillation_dampening reads whole weights: not with --parallel fsdp2 (use ddp)")
-        check_bf16_phase(self.bf16_phase_start, self.bf16_phase_gemms)
-        validate_schedule(self.steps, self.grad_accum, self.bf16_phase_start,
-                          self.adahop.calibration_steps if self.adahop.adaptive else None)
+        schedule.check_run(self.steps, self.adahop.calibration_steps if self.adahop.adaptive else None,
+                           self.grad_accum)
         device = resolve_device(self.device)
         if self.gathers_quantized:
             from adahop.quantized_all_gather import check_config
@@ -231,7 +245,7 @@ class TrainConfig:
 
         if self.adahop.backend != "auto":
             reason = unavailable_reason(self.adahop.backend, device)
-            if reason is not None and self.recipe != "bf16":
+            if reason is not None and self.adahop.recipe != "bf16":
                 raise ValueError(reason)
 
 
@@ -332,7 +346,9 @@ def resume_conflicts(saved: dict, cfg: TrainConfig) -> list[str]:
     ``RESUMABLE_CHANGES``). A custom policy function is compared by the name it was saved under."""
     a, b = TrainConfig.from_dict(saved).to_dict(), cfg.to_dict()
     a["adahop"]["policy_fn"] = (saved.get("adahop") or {}).get("policy_fn")
-    out = [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if k not in RESUMABLE_CHANGES and k != "adahop" and a[k] != b[k]]
+    # ("recipe" is made from adahop.recipe and the BF16 phase, which are compared themselves)
+    out = [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a
+           if k not in RESUMABLE_CHANGES and k not in ("adahop", "recipe") and a[k] != b[k]]
     resumable = {"backend": None, "share_input": None, "quantized_all_gather": None}
     qa, qb = dict(a["adahop"], **resumable), dict(b["adahop"], **resumable)
     out += [f"adahop.{k}: {qa[k]!r} -> {qb[k]!r}" for k in qa if qa[k] != qb[k]]
@@ -463,7 +479,7 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
 
     if not adahop.adahop_layers(model):
         adahop.convert_to_adahop_training(model, config=cfg.adahop,
-                                          module_filter_fn=block_filter(model, cfg.bf16_blocks, cfg.min_features))
+                                          module_filter_fn=cfg.schedule.module_filter(model, cfg.min_features))
         size_rule = size_filter(cfg.min_features)
         by_size = [n for n, m in model.named_modules() if type(m) is nn.Linear and not size_rule(m, n)]
         if by_size and par.is_main:
@@ -535,15 +551,13 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
         t_window = time.perf_counter()
 
     stop = False
-    switch_step = phase_switch_step(cfg.steps, cfg.bf16_phase_start)
+    schedule = cfg.schedule
     try:
         while step < cfg.steps:
-            if switch_step is not None and step >= switch_step and cfg.recipe != "bf16":
-                changed = apply_bf16_phase(model, cfg.bf16_phase_gemms)
-                if changed:  # not again on a resume after the switch: the modes are in the checkpoint
-                    flush()  # the earlier steps' records first (one sync, once per run)
-                    log.write({"step": step, "bf16_phase": {"gemms": list(cfg.bf16_phase_gemms),
-                                                            "layers": len(changed)}})
+            changed = schedule.apply(model, step, cfg.steps)
+            if changed:  # not again on a resume after the switch: the modes are in the checkpoint
+                flush()  # the earlier steps' records first (one sync, once per run)
+                log.write({"step": step, "bf16_phase": {"gemms": list(cfg.bf16_phase_gemms), "layers": len(changed)}})
             lr = lr_at(step, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -625,8 +639,8 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
         "final_eval": eval_result,
     }
     if finished and main:
-        modes = {fqn: dict(layer.modes or {}) for fqn, layer in adahop.adahop_layers(model).items()}
-        write_text_atomic(out / "modes.json", json.dumps(modes, indent=1))
+        if adahop.is_calibrated(model):  # save_modes' format (with a measured policy's OE k); none while calibrating
+            save_modes(model, out / "modes.json")
         write_text_atomic(out / "summary.json",
                           json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1))
     par.barrier()  # the summary is written before any rank returns
