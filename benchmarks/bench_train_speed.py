@@ -1,14 +1,43 @@
 """Training speed per recipe: steady tokens/s, ms/step, time to the first step, peak memory and
-the first losses, with BF16 measured before and after the other recipes in the same call.
+the first losses, with BF16 measured before and after the other recipes in the same call, and
+torchao's float8 training as a peer.
 
     python benchmarks/bench_train_speed.py --corpus runs/corpus --preset h200_125m --model-size 1b \\
         --recipes adahop_lv2 --compile model --steps 30 60 --calibration-steps 10
+
+The 1B comparison with torchao's float8 (one H100 or H200, torchao 0.17.0 on torch 2.11; 64 x 512
+tokens per step, the preset's), in two calls of about 6 to 8 minutes each so that every ratio,
+to bf16 and to torchao tensorwise, is within one call:
+
+    python benchmarks/bench_train_speed.py --corpus runs/corpus --preset h200_125m --model-size 1b \\
+        --steps 32 38 --run-steps 39 --calibration-steps 10 --calibration-micro-batches 4 --memory-snapshot \\
+        --recipes torchao_float8_tensorwise torchao_float8_rowwise mxfp4
+    python benchmarks/bench_train_speed.py --corpus runs/corpus --preset h200_125m --model-size 1b \\
+        --steps 32 38 --run-steps 39 --calibration-steps 10 --calibration-micro-batches 4 --memory-snapshot \\
+        --recipes torchao_float8_tensorwise adahop_lv2 adahop_lv2_tail
+
+The timed steps are 33 to 38 and step 39's memory is recorded: --run-steps 39 begins
+adahop_lv2_tail's BF16 phase after step 31, so its row times the phase (the last 18% of adahop
+train's default run) and adahop_lv2's row the steps before it. Every run's learning rate is still
+warming up there (200 warm-up steps), as it would be at the preset's length.
 
 Each recipe trains through ``adahop.train.trainer.train`` (the same model, data and optimizer as
 ``adahop train``; compiled whole, by blocks or not at all, with --cudagraphs in CUDA graphs) in
 its own process, so that its peak memory and compile state are its own. The sequence is bf16, the
 --recipes, bf16: BF16's own speed drifts by a few percent over a call, so each ratio is given
-against both BF16 runs. Per run:
+against both BF16 runs. --recipes takes adahop train's recipes and the torchao peers:
+
+- ``torchao_float8_tensorwise``, ``torchao_float8_rowwise``: the bf16 run (recipe bf16: adahop
+  converts nothing) with its linears converted by ``torchao.float8.convert_to_float8_training``
+  (``Float8LinearConfig.from_recipe_name``) before ``train``: every linear adahop's conversion
+  would take (not the LM head; the size rule's --min-features as for adahop) whose dims are
+  multiples of 16. torchao is a dependency of this benchmark alone (``pip install torchao``),
+  imported only for these runs; its float8 GEMMs need a GPU of compute capability >= 8.9;
+- ``adahop_lv2_tail`` (adahop train's default): adahop_lv2 with the forward GEMM in BF16 from 82%
+  of the run's steps (--run-steps N: after floor(0.82 N) steps). The row says whether the measured
+  steps ran before the phase or in it; a phase that would begin among them is refused.
+
+Per run:
 
 - steady tokens/s and ms/step over the steps after P0 up to P1 (``--steps P0 P1``; the device
   synchronised at both edges, from the trainer's ``on_step`` hook), which must lie after the
@@ -22,16 +51,23 @@ against both BF16 runs. Per run:
   recorded, and the allocator counts none of it once the peak is reset, so it would read as the
   parameters and optimizer state alone);
 - the training loss of every step, each converted layer's modes and how many layers run each mode per GEMM;
-- with ``--share-input both``, each recipe twice: the layers that read one activation quantizing
-  it once (the library's default, ``AdaHOPConfig.share_input``), then each its own;
+- with ``--share-input both``, each adahop recipe twice: the layers that read one activation
+  quantizing it once (the library's default, ``AdaHOPConfig.share_input``), then each its own;
 - with ``--profile-steps N``: device time per step over N steps after P1 (CUDA kernels from
-  ``torch.profiler``; on the CPU, self CPU time per op), and the top kernels.
+  ``torch.profiler``; on the CPU, self CPU time per op), and the top kernels;
+- with ``--memory-snapshot`` (CUDA): the device memory of the next step, recorded with
+  ``torch.cuda.memory._record_memory_history``, at its peak by kind: parameters, gradients,
+  optimizer state, the tensors saved for the backward by dtype and shape, the rest by allocation
+  site (benchmarks/memory_profile.py), in the row and printed after the table;
+  --memory-pickle-dir keeps the snapshots.
 
-The run stops after P1 (+ N) steps (the hook raises ``StopTraining``: no checkpoint is
-written), whatever the preset's length (the learning rate schedule is the preset's). The
-trainer writes its log into a temporary folder (or --run-dir), removed after each run. Rows go to --out (JSONL, default
-runs/bench/bench_train_speed.jsonl), one per run with the environment; a Markdown table is
-printed last. On the CPU: ``--preset debug --model-size tiny --no-compile`` with a small corpus.
+The run stops after the last measured step (the hook raises ``StopTraining``: no checkpoint is
+written), whatever the run's length (the learning rate schedule is the preset's, or --run-steps
+long). The trainer writes its log into a temporary folder (or --run-dir), removed after each run.
+Rows go to --out (JSONL, default runs/bench/bench_train_speed.jsonl), one per run with the
+environment; a Markdown table is printed last: per run tokens/s against the first and the last
+bf16 run and the torchao tensorwise run, and peak memory against the first bf16 run's. On the
+CPU: ``--preset debug --model-size tiny --no-compile`` with a small corpus.
 """
 
 from __future__ import annotations
@@ -45,6 +81,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import uuid
 from pathlib import Path
 
@@ -213,18 +250,27 @@ def measure(args, recipe: str) -> dict:
                 sync()
                 state["prof"].stop()
                 state.update(profile_summary(state.pop("prof"), n_prof, cuda))
-            if memory_step is not None and step == memory_step - 1:
-                state["memory"] = StepMemory(device)
-                state["memory"].start()
-            if step == memory_step:
-                state["memory_profile"], snapshot = state.pop("memory").stop(model, state["optimizer"])
-                if args.memory_pickle_dir:
-                    path = Path(args.memory_pickle_dir) / f"{recipe}_{uuid.uuid4().hex[:8]}.pickle"
-                    with path.open("wb") as f:
-                        pickle.dump(snapshot, f)
-                    state["memory_pickle"] = str(path)
+            if memory_step is not None and step in (memory_step - 1, memory_step):
+                try:
+                    record_memory(step == memory_step)
+                except Exception as e:  # the run's speed is measured already: its row keeps it, with this error
+                    traceback.print_exc()
+                    state["memory_error"] = f"{type(e).__name__}: {e}"
             if step == last_step(args):
                 raise StopTraining  # measured: no checkpoint (15 GB at 1B), no final evaluation
+
+        def record_memory(stop: bool):
+            """Start recording the memory of the next step, or stop and summarise it."""
+            if not stop:
+                state["memory"] = StepMemory(device)
+                state["memory"].start()
+                return
+            state["memory_profile"], snapshot = state.pop("memory").stop(model, state["optimizer"])
+            if args.memory_pickle_dir:
+                path = Path(args.memory_pickle_dir) / f"{recipe}_{uuid.uuid4().hex[:8]}.pickle"
+                with path.open("wb") as f:
+                    pickle.dump(snapshot, f)
+                state["memory_pickle"] = str(path)
 
         def capture_optimizer(*a, **kw):  # the optimizer the trainer builds: its state is a kind of memory
             state["optimizer"] = make_optimizer(*a, **kw)
@@ -259,8 +305,8 @@ def measure(args, recipe: str) -> dict:
         if n_prof:
             row.update(profile_steps=n_prof, **{k: state[k] for k in ("profiled", "device_ms_per_step", "top")})
         if memory_step is not None:
-            row.update(memory_step=memory_step, memory_profile=state["memory_profile"],
-                       memory_pickle=state.get("memory_pickle"))
+            row.update(memory_step=memory_step, memory_profile=state.get("memory_profile"),
+                       memory_pickle=state.get("memory_pickle"), memory_error=state.get("memory_error"))
         return row
     finally:
         trainer.make_optimizer = make_optimizer
@@ -526,6 +572,8 @@ def main(argv=None) -> int:
     print(f"\nrows appended to {out} (call {call})\n")
     print(table(rows))
     for i, r in enumerate(rows, 1):
+        if r.get("memory_error"):
+            print(f"\n{i}. {run_name(r)}: the memory snapshot failed: {r['memory_error']}")
         if r.get("memory_profile"):
             print("\n" + markdown(r["memory_profile"], title=f"{i}. {run_name(r)}: memory at the peak of step "
                                                               f"{r['memory_step']}"))

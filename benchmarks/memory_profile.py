@@ -66,8 +66,7 @@ def end_of_step_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer
             out.append(tensor_entry(p.grad, "gradient", "end"))
     if optimizer is not None:
         for state in optimizer.state.values():
-            out.extend(tensor_entry(v, "optimizer_state", "end") for v in state.values()
-                       if isinstance(v, torch.Tensor) and v.numel() > 1)  # (the step counts are scalars)
+            out.extend(tensor_entry(v, "optimizer_state", "end") for v in state.values() if isinstance(v, torch.Tensor))
     return out
 
 
@@ -102,7 +101,7 @@ def _saved_of(node) -> list[torch.Tensor]:
                 pass
     try:
         values.extend(getattr(node, "saved_tensors", ()) or ())
-    except RuntimeError:
+    except (RuntimeError, AttributeError):  # freed, or a node whose Function saved none
         pass
     flat = []
     for v in values:
