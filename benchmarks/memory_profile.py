@@ -106,7 +106,18 @@ def _saved_of(node) -> list[torch.Tensor]:
     flat = []
     for v in values:
         flat.extend(v if isinstance(v, (tuple, list)) else [v])
-    return [t for t in flat if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0]
+    return [t for v in flat if isinstance(v, torch.Tensor) for t in _plain(v) if t.untyped_storage().nbytes() > 0]
+
+
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """A tensor subclass that wraps others (torchao's float8 tensors run eagerly) as the plain
+    tensors that hold its memory; a plain tensor as itself."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [inner for name in names for inner in _plain(getattr(t, name))]
 
 
 # ---- the snapshot --------------------------------------------------------------------------------------------
@@ -258,6 +269,7 @@ class StepMemory:
     def __init__(self, device: torch.device, max_entries: int = MAX_ENTRIES):
         self.device, self.max_entries = torch.device(device), max_entries
         self.saved: list[dict] = []
+        self.error: Exception | None = None
         self._real_ce = None
 
     def start(self) -> None:
@@ -269,15 +281,21 @@ class StepMemory:
 
         def cross_entropy(*args, **kwargs):
             loss = real(*args, **kwargs)
-            if loss.requires_grad:
-                self.saved.extend(saved_tensors(loss))
-                memory_profile_backward_marker(self.device)
+            if loss.requires_grad and self.error is None:
+                try:
+                    self.saved.extend(saved_tensors(loss))
+                    memory_profile_backward_marker(self.device)
+                except Exception as e:  # the training step goes on; stop() raises it
+                    self.error = e
             return loss
 
         torch.nn.functional.cross_entropy = cross_entropy
 
     def stop(self, model, optimizer) -> tuple[dict, dict]:
         torch.nn.functional.cross_entropy = self._real_ce
+        if self.error is not None:
+            torch.cuda.memory._record_memory_history(None)
+            raise RuntimeError(f"listing the tensors saved for the backward failed: {self.error!r}") from self.error
         torch.cuda.synchronize(self.device)
         measured = torch.cuda.max_memory_allocated(self.device)
         tensors = end_of_step_tensors(model, optimizer) + self.saved

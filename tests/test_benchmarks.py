@@ -838,3 +838,47 @@ def test_bench_train_speed_docstring_1b_commands_time_the_tail_in_its_phase():
             phase = ts.window_phase(cfg, recipe, args.steps[0], ts.last_step(args))
             assert phase == ("in" if recipe == "adahop_lv2_tail" else None)
     assert recipes == {"torchao_float8_tensorwise", "torchao_float8_rowwise", "mxfp4", "adahop_lv2", "adahop_lv2_tail"}
+
+
+def test_memory_profile_lists_the_plain_tensors_inside_a_saved_subclass():
+    """A saved tensor subclass that wraps others (torchao's float8 tensors, run eagerly) counts
+    as the tensors that hold its memory."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    mp = script("memory_profile")
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    w = torch.randn(4, 4, requires_grad=True)
+    loss = (TwoTensor(a, b).requires_grad_() @ w).sum()
+    addresses = {t["address"] for t in mp.saved_tensors(loss)}
+    assert {a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()} <= addresses
+
+
+def test_memory_profile_step_memory_with_the_cuda_calls_stood_in(monkeypatch):
+    """StepMemory on the CPU, with torch.cuda's recording calls replaced: the loss's saved tensors
+    are listed when the trainer's cross_entropy returns it, cross_entropy is put back, the
+    recording is switched off, the summary carries the measured peak and the snapshot the tensors."""
+    mp = script("memory_profile")
+    calls = []
+    snapshot, _ = hand_made_snapshot()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 12345)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda enabled, **kw: calls.append(("record", enabled, kw.get("stacks"))))
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda device=None: snapshot)
+    real = torch.nn.functional.cross_entropy
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    recorder = mp.StepMemory(torch.device("cpu"))
+    recorder.start()
+    assert torch.nn.functional.cross_entropy is not real
+    loss = torch.nn.functional.cross_entropy(model(torch.randn(3, 8)), torch.tensor([0, 1, 2]))
+    loss.backward()
+    opt.step()
+    summary, snap = recorder.stop(model, opt)
+    assert torch.nn.functional.cross_entropy is real
+    assert calls == ["reset", ("record", "all", "python"), ("record", None, None)]
+    assert summary["measured_peak_bytes"] == 12345 and summary["peak_bytes"] == 25088
+    kinds = collections.Counter(t["kind"] for t in snap["memory_profile_tensors"])
+    assert kinds["parameter"] == 2 and kinds["gradient"] == 2 and kinds["optimizer_state"] == 6
+    assert kinds["saved_activation"] >= 1  # the linear's input, the loss's log-softmax
