@@ -200,7 +200,7 @@ def convert_peer(model, recipe: str, cfg, device: torch.device) -> dict:
 
 
 def measure(args, recipe: str) -> dict:
-    """Train ``recipe`` for P1 (+ profile) steps and measure it (see the module docstring)."""
+    """Train ``recipe`` up to its last measured step and measure it (see the module docstring)."""
     import adahop.train.trainer as trainer
     from adahop.ops.backends import get_backend
     from adahop.train.data import load_corpus
@@ -250,7 +250,7 @@ def measure(args, recipe: str) -> dict:
                 sync()
                 state["prof"].stop()
                 state.update(profile_summary(state.pop("prof"), n_prof, cuda))
-            if memory_step is not None and step in (memory_step - 1, memory_step):
+            if memory_step is not None and step in (memory_step - 1, memory_step) and "memory_error" not in state:
                 try:
                     record_memory(step == memory_step)
                 except Exception as e:  # the run's speed is measured already: its row keeps it, with this error

@@ -6,8 +6,8 @@ allocated; from a ``torch.cuda.memory`` snapshot recorded over the step.
 
 bench_train_speed.py --memory-snapshot records one steady step of each run (``StepMemory``) and
 puts this summary into the run's row (``--memory-pickle-dir`` keeps the snapshots themselves,
-hundreds of MB at 1B, for ``torch.cuda._memory_viz`` or https://pytorch.org/memory_viz). This
-script summarises a snapshot saved so, with the tensor list written beside it.
+large at 1B, for ``torch.cuda._memory_viz`` or https://pytorch.org/memory_viz). This script
+summarises a snapshot saved so, with the list of the step's tensors the pickle carries.
 
 The snapshot (``torch.cuda.memory._snapshot()``, recorded with ``_record_memory_history``) holds
 the allocator's segments and blocks at its end and ``device_traces``: each device's alloc and
@@ -23,7 +23,8 @@ free events in order, each with the address, the block's size and the Python fra
   known: the parameters, gradients and optimizer state at the end of the step (matched to the
   block alive at the end at that address), the tensors the autograd graph saved, walked from the
   loss before its backward (matched to the block alive then: the step allocates a one-element
-  marker there, ``MARKER`` in its frames). A block matched to no tensor is ``other``: the
+  marker there, ``MARKER`` in its frames; with several micro-batches, the first loss's). A block
+  matched to no tensor is ``other``: the
   forward's temporaries, the logits and the loss, the backward's buffers, workspaces;
 - every block alive at the peak is also counted by its kind and allocation site, from its
   innermost frame: an adahop or torch function, or code Inductor generated (a compiled
@@ -43,7 +44,7 @@ import torch
 
 MARKER = "memory_profile_backward_marker"
 KINDS = ("parameter", "gradient", "optimizer_state", "saved_activation", "other")
-# Trace entries kept per recording: one 1B step with Python frames is tens of thousands of events.
+# Trace entries kept per recording (a ring buffer): far more than one step allocates.
 MAX_ENTRIES = 2_000_000
 
 

@@ -788,7 +788,9 @@ def test_bench_train_speed_worker_runs_torchao_itself_where_installed(corpus, tm
     assert all(math.isfinite(v) for v in row["losses"])
 
 
-def test_bench_train_speed_keeps_the_speed_when_the_memory_snapshot_fails(corpus, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("fails_in", ["start", "stop"])
+def test_bench_train_speed_keeps_the_speed_when_the_memory_snapshot_fails(fails_in, corpus, tmp_path, monkeypatch,
+                                                                          capsys):
     ts = script("bench_train_speed")
 
     class BrokenStepMemory:
@@ -796,7 +798,8 @@ def test_bench_train_speed_keeps_the_speed_when_the_memory_snapshot_fails(corpus
             pass
 
         def start(self):
-            pass
+            if fails_in == "start":
+                raise RuntimeError("no history")
 
         def stop(self, model, optimizer):
             raise RuntimeError("no history")
