@@ -37,6 +37,7 @@ from common import environment, environment_line, print_environment
 
 import adahop
 from adahop.policy import GEMMS, table_policy
+from adahop.schedule import NO_SCHEDULE
 from adahop.train.model import SIZES
 from adahop.train.recipes import PRESETS
 from adahop.train.trainer import COMPILE_CHOICES
@@ -44,22 +45,27 @@ from adahop.train.trainer import COMPILE_CHOICES
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """A recipe's numerics (an ``AdaHOPConfig``) and the TrainConfig fields it sets (a BF16 phase,
-    oscillation dampening, drift, calibration micro-batches); ``what``: one line for the report."""
+    """A recipe (its numerics, an ``AdaHOPConfig``, and its precision schedule: ``adahop.recipes``)
+    and the other TrainConfig fields it sets (oscillation dampening, drift, calibration
+    micro-batches); ``what``: one line for the report."""
 
     numerics: Callable[[], adahop.AdaHOPConfig]
     what: str
     train: tuple = ()  # (field, value) pairs
     # The variant's own calibration length; None: the preset's (which scales with the model).
     calibration_steps: int | None = None
+    schedule: adahop.PrecisionSchedule = NO_SCHEDULE  # a BF16 phase, BF16 blocks
 
     @property
     def train_fields(self) -> dict:
-        return dict(self.train)
+        s = self.schedule
+        return {"bf16_phase_start": s.bf16_phase_start, "bf16_phase_gemms": s.bf16_phase_gemms,
+                "bf16_blocks": s.bf16_blocks, **dict(self.train)}
 
 
 def _recipe(name: str, **changes) -> Callable[[], adahop.AdaHOPConfig]:
-    return lambda: adahop.AdaHOPConfig.from_recipe_name(name, **changes)
+    """The numerics of the library's recipe ``name`` (``adahop.recipe``)."""
+    return lambda: adahop.recipe(name, **changes).config
 
 
 def _lv2_forcing(**forced):
@@ -70,7 +76,7 @@ def _lv2_forcing(**forced):
         modes.update(forced)
         return modes
 
-    return lambda: adahop.AdaHOPConfig.from_recipe_name("adahop_lv2", policy_fn=policy)
+    return _recipe("adahop_lv2", policy_fn=policy)
 
 
 def _settings(recipe: str, grad_rne: bool = False, **changes):
@@ -78,7 +84,7 @@ def _settings(recipe: str, grad_rne: bool = False, **changes):
     gradient rounded to nearest instead of stochastically)."""
 
     def make():
-        cfg = adahop.AdaHOPConfig.from_recipe_name(recipe).with_gemm_settings(**changes)
+        cfg = adahop.recipe(recipe).config.with_gemm_settings(**changes)
         if grad_rne:
             cfg = cfg.replace(dgrad=dataclasses.replace(cfg.dgrad, a_rounding="rne"),
                               wgrad=dataclasses.replace(cfg.wgrad, a_rounding="rne"))
@@ -89,7 +95,8 @@ def _settings(recipe: str, grad_rne: bool = False, **changes):
 
 _LV2 = _recipe("adahop_lv2")
 _ONE_W = _recipe("adahop_lv2", dgrad_weight="forward")
-_FPROP_TAIL = (("bf16_phase_start", 0.82), ("bf16_phase_gemms", ("fprop",)))
+# adahop train's default recipe, adahop_lv2_tail: the forward in BF16 for the last 18% of the steps
+_FPROP_TAIL = adahop.recipe("adahop_lv2_tail").schedule
 
 VARIANTS: dict[str, Variant] = {
     "bf16": Variant(_recipe("bf16"), "every GEMM in BF16 (the baseline)"),
@@ -148,27 +155,30 @@ VARIANTS: dict[str, Variant] = {
                                 "the measured policy, V projections' fprop in naive MXFP4"),
     "mxfp4_iht_v_mxfp4": Variant(_recipe("mxfp4_iht", value_fprop="mxfp4"),
                                  "IHT on every GEMM but the V projections' fprop (naive MXFP4)"),
-    # A BF16 phase (TrainConfig.bf16_phase_start / _gemms, train/precision.py): the last fraction
-    # of the steps runs the listed GEMMs in BF16 (the higher-precision final phase of Chmiel et
-    # al., "FP4 All the Way", 2025; NVIDIA's NVFP4 recipe switches the forward alone).
+    # A BF16 phase (a precision schedule's bf16_phase_start / _gemms, adahop.schedule): the last
+    # fraction of the steps runs the listed GEMMs in BF16 (the higher-precision final phase of
+    # Chmiel et al., "FP4 All the Way", 2025; NVIDIA's NVFP4 recipe switches the forward alone).
     "lv2_bf16_tail": Variant(_LV2, "lv2, the last 10% of the steps in BF16",
-                             (("bf16_phase_start", 0.9), ("bf16_phase_gemms", GEMMS))),
+                             schedule=adahop.PrecisionSchedule(bf16_phase_start=0.9, bf16_phase_gemms=GEMMS)),
     "lv2_bf16_tail25": Variant(_LV2, "lv2, the last 25% in BF16",
-                               (("bf16_phase_start", 0.75), ("bf16_phase_gemms", GEMMS))),
-    "lv2_bf16_fprop_tail": Variant(_LV2, "lv2, fprop in BF16 for the last 18%", _FPROP_TAIL),
-    "lv2_one_weight_fprop_tail": Variant(_ONE_W, "lv2 + one weight, fprop in BF16 for the last 18%", _FPROP_TAIL),
+                               schedule=adahop.PrecisionSchedule(bf16_phase_start=0.75, bf16_phase_gemms=GEMMS)),
+    "lv2_bf16_fprop_tail": Variant(_recipe("adahop_lv2_tail"), "lv2, fprop in BF16 for the last 18%",
+                                   schedule=_FPROP_TAIL),
+    "lv2_one_weight_fprop_tail": Variant(_ONE_W, "lv2 + one weight, fprop in BF16 for the last 18%",
+                                         schedule=_FPROP_TAIL),
     "measured_fprop_tail": Variant(_recipe("adahop_measured"), "the measured policy, fprop in BF16 for the last 18%",
-                                   _FPROP_TAIL),
+                                   schedule=_FPROP_TAIL),
     # The longest forward-only BF16 tail that keeps a naive-MXFP4 run >= 90% MXFP4: at 125M the
     # lm_head leaves 92.3% of the linear FLOPs to convert, and a tail f on one GEMM of three
     # takes f/3 of that (92.3% * (1 - 0.07 / 3) = 90.2%).
     "mxfp4_fprop_tail7": Variant(_recipe("mxfp4"), "naive MXFP4, fprop in BF16 for the last 7%",
-                                 (("bf16_phase_start", 0.93), ("bf16_phase_gemms", ("fprop",)))),
-    # the first and last blocks' linears in BF16 (TrainConfig.bf16_blocks): on pretrained SmolLM2
-    # they carry a quarter of the MXFP4 forward's cost (benchmarks/pretrained_forward.py)
-    "lv2_bf16_ends": Variant(_LV2, "lv2, the first and last blocks in BF16", (("bf16_blocks", (1, 1)),)),
+                                 schedule=adahop.PrecisionSchedule(bf16_phase_start=0.93, bf16_phase_gemms=("fprop",))),
+    # the first and last blocks' linears in BF16 (a precision schedule's bf16_blocks): on pretrained
+    # SmolLM2 they carry a quarter of the MXFP4 forward's cost (benchmarks/pretrained_forward.py)
+    "lv2_bf16_ends": Variant(_LV2, "lv2, the first and last blocks in BF16",
+                             schedule=adahop.PrecisionSchedule(bf16_blocks=(1, 1))),
     "measured_bf16_ends": Variant(_recipe("adahop_measured"), "the measured policy, the first and last blocks in BF16",
-                                  (("bf16_blocks", (1, 1)),)),
+                                  schedule=adahop.PrecisionSchedule(bf16_blocks=(1, 1))),
     # weight-oscillation dampening (train/oscillation.py)
     "lv2_damp1e-3": Variant(_LV2, "lv2, oscillation dampening lambda 1e-3", (("oscillation_dampening", 1e-3),)),
     "lv2_damp1e-2": Variant(_LV2, "lv2, oscillation dampening lambda 1e-2", (("oscillation_dampening", 1e-2),)),
@@ -178,7 +188,7 @@ VARIANTS: dict[str, Variant] = {
 }
 # TrainConfig fields a variant may set; every other field must agree between compared runs.
 # (calibration_micro_batches acts only on the variants that calibrate.)
-VARIANT_FIELDS = ("adahop", "bf16_phase_start", "bf16_phase_gemms", "oscillation_dampening", "drift",
+VARIANT_FIELDS = ("recipe", "adahop", "bf16_phase_start", "bf16_phase_gemms", "oscillation_dampening", "drift",
                   "calibration_micro_batches", "bf16_blocks")
 # (corpus_dir is where the corpus lies on the machine that ran it; which corpus it is, its
 # corpus_id, is compared apart.)

@@ -173,8 +173,8 @@ def test_divergence_is_one_line_naming_the_step_and_the_checkpoint(corpus, tmp_p
 
     monkeypatch.setattr(run_mod, "open_run", poisoned)
     run = tmp_path / "nan"
-    assert cli.main(train_args(corpus, run, steps=6)) == 2
-    one_line_error(capsys, "training diverged", "at step 4", "no checkpoint was written")
+    assert cli.main(train_args(corpus, run, recipe="adahop_lv2_tail", steps=6)) == 2
+    one_line_error(capsys, "training diverged", "at step 4", "(adahop_lv2_tail, lr 0.003)", "no checkpoint was written")
 
 
 def test_a_foreign_checkpoint_in_the_run_folder(corpus, tmp_path, capsys):
@@ -228,7 +228,7 @@ def test_quickstart_trains_bf16_and_the_default_recipe_on_the_cpu_preset(tmp_pat
     assert DEFAULT_RECIPE == "adahop_lv2_tail" and order == ["corpus", "train", "train", "compare"]
     assert [(Path(c.out_dir).name, c.recipe, c.steps, c.bf16_phase_start, c.bf16_phase_gemms) for c in trained] == [
         ("cpu-bf16", "bf16", 300, None, ("fprop", "dgrad", "wgrad")),
-        ("cpu-adahop_lv2_tail", "adahop_lv2", 300, 0.82, ("fprop",))]
+        ("cpu-adahop_lv2_tail", "adahop_lv2_tail", 300, 0.82, ("fprop",))]
 
 
 def test_quickstart_twice_leaves_the_first_runs_as_they_are(corpus, tmp_path, capsys, monkeypatch):
@@ -252,24 +252,49 @@ def test_quickstart_twice_leaves_the_first_runs_as_they_are(corpus, tmp_path, ca
     assert table == [line for line in second.splitlines() if line.startswith("| cpu-")] and len(table) == 2
 
 
+def test_no_resume_moves_the_old_run_aside_and_keeps_the_new_runs_checkpoints(corpus, tmp_path, capsys):
+    """30 steps (checkpoints 20 and 30 kept), then 10 steps with --no-resume into the same folder:
+    pruning used to keep the old run's 20 and 30 and delete the new run's 10, so that `latest`
+    dangled and eval failed. Now the old run is in previous-1/, whole, and both evaluate."""
+    run = tmp_path / "r"
+    assert cli.main(train_args(corpus, run, recipe="bf16", steps=30)) == 0
+    old = {str(p.relative_to(run)): p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"}
+    capsys.readouterr()
+    assert cli.main(train_args(corpus, run, recipe="bf16", steps=10) + ["--no-resume"]) == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000000010.pt"]
+    assert cli.main(["eval", "--run", str(run), "--tasks", "--heldout-batches", "1"]) == 0
+    assert json.loads((run / "eval.json").read_text())["checkpoint"] == "step_000000010.pt"
+    err = capsys.readouterr().err
+    assert f"{run} held another run: its files are moved to {run / 'previous-1'}, and this run starts" in err
+    previous = run / "previous-1"
+    assert {str(p.relative_to(previous)): p.read_bytes() for p in previous.rglob("*") if p.is_file()} == old
+    assert cli.main(["eval", "--run", str(previous), "--tasks", "--heldout-batches", "1"]) == 0
+    assert json.loads((previous / "eval.json").read_text())["checkpoint"] == "step_000000030.pt"
+    assert json.loads((run / "summary.json").read_text())["steps"] == 10
+
+
 def test_a_second_process_on_the_same_run_folder_is_refused(corpus, tmp_path, capsys):
     import subprocess
     import sys
 
     run = tmp_path / "locked"
-    run.mkdir()
+    assert cli.main(train_args(corpus, run, recipe="bf16", steps=2)) == 0
+    capsys.readouterr()
+    files = sorted(p.relative_to(run) for p in run.rglob("*"))
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from adahop.train.run_folder import RunLock; RunLock(sys.argv[1]).acquire(); "
         "print('held', flush=True); time.sleep(60)"), str(run)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        assert cli.main(train_args(corpus, run, steps=2)) == 2
-        one_line_error(capsys, "is in use by another adahop process", f"pid {holder.pid}")
-        assert not (run / "log.jsonl").exists()
+        for new_run in ([], ["--no-resume"]):  # the old run is moved aside only by the lock's holder
+            assert cli.main(train_args(corpus, run, recipe="bf16", steps=3) + new_run) == 2
+            one_line_error(capsys, "is in use by another adahop process", f"pid {holder.pid}")
+            assert sorted(p.relative_to(run) for p in run.rglob("*")) == files
     finally:
         holder.kill()
         holder.wait()
-    assert cli.main(train_args(corpus, run, steps=2)) == 0  # the lock died with its holder
+    assert cli.main(train_args(corpus, run, recipe="bf16", steps=3) + ["--no-resume"]) == 0  # the lock died
+    assert (run / "previous-1" / "summary.json").is_file()
 
 
 def test_a_torn_last_log_line_is_dropped_and_other_damage_named(corpus, tmp_path, capsys, monkeypatch):
@@ -429,10 +454,11 @@ def test_the_default_recipe_is_the_tail_and_an_own_config_runs_no_phase():
     """adahop train and preset() default to adahop_lv2_tail; an experiment's own AdaHOP config
     (preset's ``adahop``) gets no phase unless it names one."""
     from adahop.config import AdaHOPConfig
-    from adahop.train.recipes import preset, recipe_label
+    from adahop.train.recipes import preset
 
     default = preset("debug")
-    assert (default.recipe, default.bf16_phase_start, default.bf16_phase_gemms) == ("adahop_lv2", 0.82, ("fprop",))
+    assert (default.adahop.recipe, default.bf16_phase_start, default.bf16_phase_gemms) == \
+        ("adahop_lv2", 0.82, ("fprop",))
     assert cli.parse_args(["train"]).recipe == "adahop_lv2_tail"
     own = AdaHOPConfig.from_recipe_name("mxfp4")
     assert preset("debug", adahop=own).bf16_phase_start is None
@@ -440,11 +466,11 @@ def test_the_default_recipe_is_the_tail_and_an_own_config_runs_no_phase():
     assert preset("debug", adahop=own, bf16_phase_start=0.5).bf16_phase_start == 0.5
     assert preset("debug", recipe="adahop_lv2").bf16_phase_start is None
     # a run's recipe in the tables and messages: the scheduled name, else the numerics and the phase
-    assert recipe_label(default) == "adahop_lv2_tail" and recipe_label(preset("debug", recipe="bf16")) == "bf16"
-    assert recipe_label(preset("debug", recipe="adahop_lv2")) == "adahop_lv2"
-    assert recipe_label(preset("debug", recipe="adahop_lv2", bf16_phase_start=0.5)) == \
+    assert default.recipe == "adahop_lv2_tail" and preset("debug", recipe="bf16").recipe == "bf16"
+    assert preset("debug", recipe="adahop_lv2").recipe == "adahop_lv2"
+    assert preset("debug", recipe="adahop_lv2", bf16_phase_start=0.5).recipe == \
         "adahop_lv2, fprop/dgrad/wgrad BF16 from 50%"
-    assert recipe_label(preset("debug", recipe="mxfp4", bf16_phase_start=0.9, bf16_phase_gemms=("fprop",))) == \
+    assert preset("debug", recipe="mxfp4", bf16_phase_start=0.9, bf16_phase_gemms=("fprop",)).recipe == \
         "mxfp4, fprop BF16 from 90%"
 
 

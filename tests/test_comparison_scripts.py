@@ -230,7 +230,7 @@ def test_the_named_tail_recipe_is_the_measured_variant(tmp_path):
     named = preset("h200_125m", recipe="adahop_lv2_tail", seed=0)
     fields = ("adahop", "bf16_phase_start", "bf16_phase_gemms", "steps", "model_size")
     assert {f: getattr(named, f) for f in fields} == {f: getattr(measured, f) for f in fields}
-    assert named.recipe == "adahop_lv2"
+    assert (named.recipe, named.adahop.recipe) == ("adahop_lv2_tail", "adahop_lv2")
 
 
 def test_ablation_model_size_confirms_at_another_size_and_keeps_sizes_apart(tmp_path):

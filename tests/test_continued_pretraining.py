@@ -237,7 +237,7 @@ def test_smollm2_presets():
     from adahop.train.recipes import preset
 
     cfg = preset("h200_smollm2")
-    assert cfg.init == "smollm2" and cfg.recipe == "adahop_lv2" and cfg.adahop.calibration_steps == 20
+    assert cfg.init == "smollm2" and cfg.recipe == "adahop_lv2_tail" and cfg.adahop.calibration_steps == 20
     assert (cfg.seq_len, cfg.batch_size, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio, cfg.weight_decay,
             cfg.eval_every) == (1024, 16, 500, 1e-4, 30, 0.1, 0.1, 0)
     ref = preset("h200_125m")

@@ -428,10 +428,10 @@ def test_example_your_own_loop_runs_end_to_end(capsys):
     out = capsys.readouterr().out
     assert "calibrated False" in out and "step    5" in out and "calibrated True" in out
     assert "layers.0.attention.wq" in out and out.count("modes: fprop=bf16, dgrad=iht") == 14
-    assert "step    4  forward GEMMs to BF16 in 14 layers" in out  # floor(0.82 * 6) = 4 steps done
+    assert "step    4  fprop GEMMs to BF16 in 14 layers" in out  # adahop_lv2_tail: floor(0.82 * 6) = 4 steps done
     assert example.main(["--steps", "6", "--calibration-steps", "3", "--device", "cpu", "--fprop-bf16-from", "1"]) == 0
     out = capsys.readouterr().out
     assert "forward GEMMs to BF16" not in out and "modes: fprop=iht" in out
     with pytest.raises(SystemExit):  # a switch before the calibration ends
         example.main(["--steps", "6", "--calibration-steps", "5", "--device", "cpu"])
-    assert "before the 5 calibration steps end" in capsys.readouterr().err
+    assert "after the calibration's 5 steps: give at least 7 steps" in capsys.readouterr().err

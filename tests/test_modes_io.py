@@ -70,3 +70,42 @@ def test_not_json_and_wrong_layers(tmp_path):
     (tmp_path / "z.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="unknown \\['blocks.9.up'\\]"):
         adahop.load_modes(converted(), tmp_path / "z.json")
+
+
+def test_a_measured_policy_runs_modes_json_gives_back_its_oe_k(tmp_path):
+    """adahop train's modes.json is save_modes' format: loaded into a fresh model of the run's
+    config, every layer runs the trained one's GEMMs, the OE k its measured policy chose (8, the
+    config's is 4) included."""
+    import dataclasses
+
+    from adahop.train.trainer import train
+
+    from test_trainer import CountingBatches, config, tiny_model
+
+    cfg = config(tmp_path, recipe="adahop_measured", steps=3, calibration_steps=2)
+    cfg = dataclasses.replace(cfg, adahop=cfg.adahop.replace(hp_budget=0.25))
+    trained = tiny_model()
+    train(cfg, model=trained, train_batches=CountingBatches())
+    layers = adahop.adahop_layers(trained)
+    assert any(layer.oe_ks and 8 in layer.oe_ks.values() for layer in layers.values())
+    path = tmp_path / "run" / "modes.json"
+    assert json.loads(path.read_text()) == json.loads(json.dumps(adahop.modes_io.modes_dict(trained)))
+    fresh = tiny_model()
+    adahop.convert_to_adahop_training(fresh, config=cfg.adahop)
+    adahop.load_modes(fresh, path)
+    for fqn, layer in adahop.adahop_layers(fresh).items():
+        old = layers[fqn]
+        assert (layer.modes, layer.oe_ks, layer.patterns) == (old.modes, old.oe_ks, old.patterns)
+        assert layer.numerics == old.numerics  # the same GEMMs, k included
+
+
+def test_a_run_that_ends_calibrating_writes_no_modes_json(tmp_path):
+    """A run shorter than its calibration has no modes to write (save_modes refuses a calibrating
+    layer): no modes.json, rather than one of empty entries."""
+    from adahop.train.trainer import train
+
+    from test_trainer import CountingBatches, config, tiny_model
+
+    summary = train(config(tmp_path, steps=2, calibration_steps=3), model=tiny_model(), train_batches=CountingBatches())
+    assert summary["steps"] == 2 and (tmp_path / "run" / "summary.json").is_file()
+    assert not (tmp_path / "run" / "modes.json").exists()

@@ -1,4 +1,4 @@
-"""Weight-oscillation dampening (train/oscillation.py)."""
+"""Weight-oscillation dampening (adahop/oscillation.py)."""
 
 import dataclasses
 
@@ -8,7 +8,7 @@ from test_precision import llama
 
 import adahop
 from adahop.layer_ops import forward_weight
-from adahop.train.oscillation import add_dampening_grad, check_dampening
+from adahop.oscillation import add_dampening_grad, check_dampening
 from adahop.train.trainer import train
 
 from test_trainer import CountingBatches, config
@@ -70,6 +70,8 @@ def test_bad_dampening_values_are_refused(tmp_path):
     for bad in (-1.0, float("nan"), float("inf"), True, "0.1"):
         with pytest.raises(ValueError, match="oscillation_dampening must be a finite number >= 0"):
             check_dampening(bad)
+        with pytest.raises(ValueError, match="oscillation_dampening must be a finite number >= 0"):
+            add_dampening_grad(model_with("mxfp4"), bad)  # (a loop's own call is checked too)
     cfg = dataclasses.replace(config(tmp_path), oscillation_dampening=0.1, parallel="fsdp2")
     with pytest.raises(ValueError, match="not with --parallel fsdp2"):
         cfg.validate()

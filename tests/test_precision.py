@@ -1,6 +1,8 @@
-"""Training-side precision options (train/precision.py): BF16 blocks and a BF16 phase."""
+"""Precision schedules (adahop.schedule): BF16 blocks and a BF16 phase, in the trainer and in a
+loop of one's own; the recipes that carry them (adahop.recipes)."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -86,7 +88,7 @@ def test_bf16_phase_settings_are_checked():
 
 def test_the_switch_step_is_the_floor_of_the_decimal_fraction_of_the_steps():
     """floor(0.82 * 300) is 246, though 0.82 * 300 is 245.99999999999997 in floats."""
-    from adahop.train.precision import phase_switch_step
+    from adahop.schedule import phase_switch_step
 
     assert 0.82 * 300 < 246
     assert [phase_switch_step(n, 0.82) for n in (10, 300, 350, 370, 1000)] == [8, 246, 287, 303, 820]
@@ -96,7 +98,7 @@ def test_the_switch_step_is_the_floor_of_the_decimal_fraction_of_the_steps():
 
 @pytest.mark.parametrize("start", [0.82, 0.5, 0.07, 1 / 3, 0.31])
 def test_fewest_steps_for_a_phase_is_the_least_that_begins_after_the_calibration(start):
-    from adahop.train.precision import calibrated_after, fewest_steps_for_phase, phase_switch_step
+    from adahop.schedule import calibrated_after, fewest_steps_for_phase, phase_switch_step
 
     for calibration, accum in ((1, 1), (3, 1), (30, 1), (7, 2), (20, 3)):
         n, after = fewest_steps_for_phase(start, calibration, accum), calibrated_after(calibration, accum)
@@ -123,3 +125,86 @@ def test_mxfp4_flop_share_counts_every_linear_and_the_oe_slices():
     assert mxfp4_flop_share(model, tokens=16, gemms=("dgrad",)) == pytest.approx(1 / 2)
     plain = torch.nn.Sequential(torch.nn.Linear(64, 32), model)  # an unconverted linear counts as BF16
     assert mxfp4_flop_share(plain, tokens=16) == pytest.approx(expected * 2 / 3)
+
+
+def test_every_recipe_adahop_train_accepts_is_a_library_recipe():
+    """adahop.recipe gives every name of adahop train --recipe, the default included, as numerics
+    and a schedule; from_recipe_name refuses a scheduled one in one line naming adahop.recipe."""
+    from adahop import cli
+    from adahop.recipes import DEFAULT_RECIPE, RECIPE_NAMES
+
+    parser = cli.build_parser()
+    train_parser = next(a for a in parser._actions if a.dest == "command").choices["train"]
+    names = next(a for a in train_parser._actions if a.dest == "recipe").choices
+    assert list(names) == list(RECIPE_NAMES) and DEFAULT_RECIPE in names
+    for name in names:
+        r = adahop.recipe(name)
+        assert r.name == name and isinstance(r.config, adahop.AdaHOPConfig)
+    tail = adahop.recipe("adahop_lv2_tail", calibration_steps=5)
+    assert tail.config == adahop.AdaHOPConfig.from_recipe_name("adahop_lv2", calibration_steps=5)
+    assert (tail.schedule.bf16_phase_start, tail.schedule.bf16_phase_gemms) == (0.82, ("fprop",))
+    assert adahop.recipe("adahop_lv2").schedule == adahop.PrecisionSchedule()  # no phase, no BF16 blocks
+    with pytest.raises(ValueError, match=r"use adahop.recipe\('adahop_lv2_tail'\)"):
+        adahop.AdaHOPConfig.from_recipe_name("adahop_lv2_tail")
+    with pytest.raises(ValueError, match="unknown recipe 'lv3'"):
+        adahop.recipe("lv3")
+    with pytest.raises(ValueError, match="bf16_phase_start must be"):
+        adahop.PrecisionSchedule(bf16_phase_start=1.0)
+    with pytest.raises(ValueError, match="a recipe's schedule must be a PrecisionSchedule"):
+        adahop.Recipe("mine", tail.config, {"bf16_phase_start": 0.5})
+    # the fewest steps, in the recipe's terms: floor(0.82 * 7) = 5 steps done after 5 calibration steps
+    tail.check_run(7)
+    with pytest.raises(ValueError, match="give at least 7 steps, or recipe adahop_lv2"):
+        tail.check_run(6)
+
+
+def test_a_loop_of_ones_own_switches_with_one_call_at_the_trainers_step():
+    """schedule.apply(model, step, total) before each step of a plain loop switches every layer
+    once, at the trainer's step (phase_cfg's 0.6 of 10 steps: after 6, as the trainer logs it
+    above), keeping the other GEMMs' modes, and changes nothing after it."""
+    schedule = adahop.PrecisionSchedule(bf16_phase_start=0.6, bf16_phase_gemms=("fprop",))
+    model = llama()
+    adahop.convert_to_adahop_training(model, config=adahop.recipe("adahop_lv2").config)
+    with pytest.raises(ValueError, match="still calibrating when the BF16 phase begins"):
+        schedule.apply(model, 6, 10)
+    for layer in adahop.adahop_layers(model).values():  # as if calibrated
+        layer.set_modes({"fprop": "iht", "dgrad": "iht", "wgrad": "iht+oe_right"})
+    switched = {step: schedule.apply(model, step, 10) for step in range(10)}
+    assert [s for s, layers in switched.items() if layers] == [6] == [schedule.switch_step(10)]
+    assert switched[6] == list(adahop.adahop_layers(model)) and len(switched[6]) == 28
+    assert all(layer.modes == {"fprop": "bf16", "dgrad": "iht", "wgrad": "iht+oe_right"}
+               for layer in adahop.adahop_layers(model).values())
+
+
+def test_a_measured_policy_keeps_its_oe_k_when_the_bf16_phase_begins(tmp_path):
+    """The measured policy chooses an OE k per GEMM (8 here, the config's is 4); the BF16 phase
+    switches fprop and keeps the k of the GEMMs that stay in MXFP4 (they ran with it before)."""
+    def measured(name, steps=4):
+        cfg = config(tmp_path / name, recipe="adahop_measured", steps=steps, calibration_steps=2)
+        return dataclasses.replace(cfg, adahop=cfg.adahop.replace(hp_budget=0.25))
+
+    before = llama(n_layers=2)
+    train(measured("before", steps=2), model=before, train_batches=CountingBatches())
+    chosen = {fqn: layer.oe_ks for fqn, layer in adahop.adahop_layers(before).items()}
+    assert any(ks and ks.get(g) == 8 for ks in chosen.values() for g in ("dgrad", "wgrad"))
+    model = llama(n_layers=2)
+    cfg = dataclasses.replace(measured("phase"), bf16_phase_start=0.5, bf16_phase_gemms=("fprop",))
+    train(cfg, model=model, train_batches=CountingBatches())
+    for fqn, layer in adahop.adahop_layers(model).items():
+        assert layer.modes["fprop"] == "bf16"
+        kept = {g: k for g, k in (chosen[fqn] or {}).items() if g != "fprop"}
+        assert layer.oe_ks == (kept or None), fqn
+        assert layer._plan(torch.device("cpu")).dgrad.oe_k == kept.get("dgrad", 4)  # the k that runs
+
+
+def test_a_resume_with_another_bf16_phase_is_refused(tmp_path):
+    """bf16_phase_start and bf16_phase_gemms are what a run computes: a resume may not move or
+    drop the phase (the refusal names the field)."""
+    cfg = phase_cfg(tmp_path, "run")
+    train(cfg, model=llama(), train_batches=CountingBatches(), stop_after=4)
+    for change, line in ((dict(bf16_phase_start=0.7), "bf16_phase_start: 0.6 -> 0.7"),
+                         (dict(bf16_phase_start=None), "bf16_phase_start: 0.6 -> None"),
+                         (dict(bf16_phase_gemms=("fprop", "dgrad")),
+                          "bf16_phase_gemms: ('fprop',) -> ('fprop', 'dgrad')")):
+        with pytest.raises(ValueError, match=re.escape(line)):
+            train(dataclasses.replace(cfg, **change), model=llama(), train_batches=CountingBatches())

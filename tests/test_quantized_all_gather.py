@@ -1,4 +1,4 @@
-"""FSDP2's quantized all-gather (train/quantized_all_gather.py): each AdaHOP layer's weight gathered
+"""FSDP2's quantized all-gather (adahop/quantized_all_gather.py): each AdaHOP layer's weight gathered
 as fprop's MXFP4 operand.
 
 - Exact, in one process: the shards' operands concatenated are the whole weight's; a layer given
@@ -29,9 +29,10 @@ import torch.multiprocessing as mp
 from test_distributed import SEQ, VOCAB, IndexedBatches, _free_port
 
 import adahop
+from adahop import quantized_all_gather as qag
 from adahop.formats.mxfp4 import dequantize_mxfp4
 from adahop.ops.backends import ReferenceBackend
-from adahop.train import quantized_all_gather as qag
+from adahop.oscillation import add_dampening_grad
 from adahop.train.trainer import TrainConfig, train
 
 from tiny_lm import TinyLM
@@ -204,6 +205,41 @@ def test_the_cli_flag():
         train_config(args)
 
 
+def test_the_config_field_is_validated_and_sets_the_weights_up_at_conversion():
+    with pytest.raises(ValueError, match="needs dgrad_weight 'forward'"):
+        adahop.AdaHOPConfig.from_recipe_name("adahop_lv2", quantized_all_gather=True)
+    with pytest.raises(ValueError, match="runs no MXFP4 GEMM"):
+        adahop.AdaHOPConfig.from_recipe_name("bf16", dgrad_weight="forward", quantized_all_gather=True)
+    with pytest.raises(ValueError, match="quantized_all_gather must be a bool"):
+        adahop_config(quantized_all_gather=1)
+    q = adahop_config(quantized_all_gather=True)
+    assert adahop.AdaHOPConfig.from_dict(q.to_dict()) == q
+    plain, gathered = (TinyLM(vocab=VOCAB, d=64, layers=1, heads=4, seq_len=SEQ) for _ in range(2))
+    gathered.load_state_dict(plain.state_dict())
+    adahop.convert_to_adahop_training(plain, config=adahop_config())
+    adahop.convert_to_adahop_training(gathered, config=q)
+    assert all(isinstance(m.weight, qag.ShardedWeight) for m in adahop.adahop_layers(gathered).values())
+    # the same state_dict keys and values: checkpoints load either way
+    a, b = plain.state_dict(), gathered.state_dict()
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a if not k.endswith("_extra_state"))
+    gathered.load_state_dict(a)
+    x = torch.randint(0, VOCAB, (2, 8))
+    assert torch.equal(plain(x), gathered(x))  # outside FSDP2: the layer as it was (calibrating, bf16)
+
+
+def test_the_switch_may_change_on_resume_and_old_configs_resume():
+    from adahop.train.trainer import resume_conflicts
+
+    base = TrainConfig(parallel="fsdp2", adahop=adahop_config("adahop_lv2"), device="cpu", compile="none")
+    on = dataclasses.replace(base, adahop=base.adahop.replace(quantized_all_gather=True))
+    flag = dataclasses.replace(base, quantized_all_gather=True)
+    assert on.gathers_quantized and flag.gathers_quantized and not base.gathers_quantized
+    old = base.to_dict()
+    del old["adahop"]["quantized_all_gather"]  # a config written before the field
+    assert resume_conflicts(old, on) == resume_conflicts(on.to_dict(), flag) == resume_conflicts(old, base) == []
+    on.validate()
+
+
 # ---- 2 processes ----------------------------------------------------------------------------------
 def tiny_model(modes=True, config=None):
     torch.manual_seed(0)
@@ -304,12 +340,80 @@ def trainer_runs(rank, root):
     return out
 
 
+class WithUnevenLayer(torch.nn.Module):
+    """The tiny model and, after its head, a converted layer of 65 rows (33 and 32 over 2 ranks)."""
+
+    def __init__(self, config):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lm = TinyLM(vocab=VOCAB, d=64, layers=2, heads=4, seq_len=SEQ)
+        self.odd = torch.nn.Linear(VOCAB, 65, bias=False)
+        adahop.convert_to_adahop_training(self, config=config)
+
+    def forward(self, x):
+        return self.odd(self.lm(x))
+
+
+def config_field(rank, root):
+    """A loop of one's own under FSDP2 (``fully_shard`` per block, then the model), with the model
+    converted with ``AdaHOPConfig(quantized_all_gather=True)`` and nothing else, against the same
+    without the field: 4 SGD steps, the same batch on both ranks, the modes of the layers moved on
+    by one after step 2 (formats switch: the weights find their FSDP2 parameters themselves)."""
+    from torch.distributed.fsdp import fully_shard
+
+    runs = {}
+    for field in (False, True):
+        model = WithUnevenLayer(adahop_config().replace(quantized_all_gather=field))
+        layers = adahop.adahop_layers(model)
+        names = sorted(layers)
+        for i, fqn in enumerate(names):
+            layers[fqn].set_modes(layer_modes(i % 8))
+        for block in model.lm.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        meter = qag.AllGatherMeter()
+        meter.install(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        rec = Recorder()
+        losses, formats = [], []
+        batches = IndexedBatches(batch=2)
+        try:
+            for step in range(4):
+                if step == 2:
+                    for i, fqn in enumerate(names):
+                        layers[fqn].set_modes(layer_modes((i + 1) % 8))
+                inputs, targets = next(batches)
+                loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+                loss.backward()
+                formats.append({f: v["format"] for f, v in qag.gather_report(model).items()})
+                if step == 3:  # (the dampening reads whole weights: refused on shards)
+                    try:
+                        add_dampening_grad(model, 0.1)
+                        dampening = None
+                    except ValueError as e:
+                        dampening = str(e)
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        finally:
+            rec.stop()
+        runs[field] = {"losses": losses, "formats": formats, "bytes": meter.bytes, "calls": rec.calls,
+                       "weights": {n: p.full_tensor() for n, p in model.named_parameters()},
+                       "report": qag.gather_report(model), "dampening": dampening}
+    a, b = runs[False], runs[True]
+    return {"names": names, "losses": (a["losses"], b["losses"]), "formats": b["formats"], "report": b["report"],
+            "bytes": (a["bytes"], b["bytes"]), "same_gemm_operands": same_operands(a["calls"], b["calls"]),
+            "same_weights": all(torch.equal(a["weights"][n], b["weights"][n]) for n in a["weights"]),
+            "ordinary_report": a["report"], "dampening": b["dampening"]}
+
+
 def _entry(rank, world, port, root):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        result = {"exactness": exactness(rank, Path(root)), "trainer": trainer_runs(rank, Path(root))}
+        result = {"exactness": exactness(rank, Path(root)), "trainer": trainer_runs(rank, Path(root)),
+                  "config_field": config_field(rank, Path(root))}
         Path(root, f"result.{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -373,12 +477,32 @@ def test_through_the_trainer_the_losses_are_the_ordinary_gathers(ranks):
         assert t["resumed"]["losses"] == t["quantized"]["losses"][3:]
 
 
+def test_the_config_field_alone_gathers_quantized_under_fsdp2(ranks):
+    """``AdaHOPConfig(quantized_all_gather=True)`` at conversion, then FSDP2's own ``fully_shard``:
+    each layer whose fprop allows it is gathered in MXFP4 (the 65-row layer, uneven over 2 ranks,
+    in high precision, padded), its switch follows the modes, and every GEMM gets the ordinary
+    gather's operands: the same losses and weights, bit for bit, with fewer bytes gathered."""
+    for r in ranks:
+        c = r["config_field"]
+        assert c["ordinary_report"] == {} and c["losses"][0] == c["losses"][1]
+        assert c["same_gemm_operands"] and c["same_weights"] and c["bytes"][1] < c["bytes"][0]
+        odd = c["names"].index("odd")
+        for step, shift in ((0, 0), (1, 0), (2, 1), (3, 1)):
+            expect = {f: qag.HIGH_PRECISION if f == "odd" or (i + shift) % 8 not in MX_LAYERS else qag.MXFP4
+                      for i, f in enumerate(c["names"])}
+            assert c["formats"][step] == expect, step
+        assert "65 rows do not split evenly over 2 ranks" in c["report"]["odd"]["why"] and odd == 8
+        # both formats gathered by the layers that switched
+        assert any(set(v["gathers"]) == {qag.MXFP4, qag.HIGH_PRECISION} for v in c["report"].values())
+        assert "holds an FSDP2 shard" in c["dampening"]
+
+
 def test_fsdp_param_groups_of_either_torch():
     """FSDP2 keeps its parameter groups as a list from torch 2.13 and as one group (or None)
     before, e.g. in torch 2.11, the GPU machines': ``attach`` reads both."""
     from types import SimpleNamespace
 
-    from adahop.train.quantized_all_gather import _param_groups
+    from adahop.quantized_all_gather import _param_groups
 
     a, b = object(), object()
     assert _param_groups(SimpleNamespace(_fsdp_param_groups=[a, b])) == [a, b]

@@ -73,7 +73,8 @@ def test_every_recipe_trains(recipe, tmp_path):
     log = read_log(cfg.out_dir)
     assert [r["step"] for r in log] == list(range(1, 31))
     modes = json.loads((tmp_path / "run" / "modes.json").read_text())
-    assert len(modes) == 8 and all(set(m) == {"fprop", "dgrad", "wgrad"} for m in modes.values())
+    assert len(modes) == 8 and all({"fprop", "dgrad", "wgrad"} <= set(m) <= {"fprop", "dgrad", "wgrad", "patterns",
+                                                                              "oe_k"} for m in modes.values())
 
 
 def test_resume_gives_the_same_losses(tmp_path):
@@ -85,6 +86,38 @@ def test_resume_gives_the_same_losses(tmp_path):
     second = train(cfg, model=tiny_model(seed=123), train_batches=CountingBatches(seed=99))
     assert first["losses"] + second["losses"] == full["losses"]  # bit for bit
     assert [r["loss"] for r in read_log(cfg.out_dir)] == full["losses"]
+
+
+def test_a_runs_files_name_its_recipe_and_a_checkpoint_of_before_resumes(tmp_path):
+    """A run of adahop_lv2's numerics and adahop_lv2_tail's BF16 phase is adahop_lv2_tail in its
+    config.json and summary.json (its layers' numerics stay adahop_lv2); a checkpoint whose config
+    has no "recipe" (as the trainer wrote them before the files named it) resumes at its step and
+    gives the same losses."""
+    from pathlib import Path
+
+    tail = adahop.recipe("adahop_lv2_tail").schedule
+
+    def phase_config(name):
+        return config(tmp_path / name, steps=10, ckpt_every=4).with_schedule(tail)
+
+    full = train(phase_config("a"), model=tiny_model(), train_batches=CountingBatches())
+    out = tmp_path / "a" / "run"
+    assert json.loads((out / "summary.json").read_text())["recipe"] == "adahop_lv2_tail"
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["recipe"], saved["adahop"]["recipe"], saved["bf16_phase_start"]) == \
+        ("adahop_lv2_tail", "adahop_lv2", 0.82)
+    assert TrainConfig.from_dict(saved).to_dict() == phase_config("a").to_dict()
+    cfg = phase_config("b")
+    first = train(cfg, model=tiny_model(), train_batches=CountingBatches(), stop_after=4)
+    path = ckpt.latest_checkpoint(Path(cfg.out_dir) / "checkpoints")
+    state = ckpt.load_checkpoint(path)
+    del state["config"]["recipe"]
+    torch.save(state, path)
+    old = json.loads((Path(cfg.out_dir) / "config.json").read_text())
+    del old["recipe"]
+    (Path(cfg.out_dir) / "config.json").write_text(json.dumps(old))
+    second = train(cfg, model=tiny_model(seed=123), train_batches=CountingBatches(seed=99))
+    assert len(second["losses"]) == 6 and first["losses"] + second["losses"] == full["losses"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the checkpoint is loaded onto a GPU")
@@ -290,3 +323,85 @@ def test_a_run_with_a_policy_function_resumes(tmp_path):
     assert [c.split(":")[0] for c in resume_conflicts(saved, other)] == ["adahop.policy_fn"]
     summary = train(cfg, model=tiny_model(), train_batches=CountingBatches())
     assert summary["steps"] == 6 and len(read_log(tmp_path / "run")) >= 6
+
+
+# ---- a new run in a folder that holds another: the old run moved aside, nothing lost ----------------
+def _files(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _old_run(tmp_path, steps=4):
+    """A finished bf16 run (a checkpoint every step, the last 2 kept) and its files."""
+    cfg = config(tmp_path, recipe="bf16", steps=steps, ckpt_every=1)
+    train(cfg, model=tiny_model(), train_batches=CountingBatches(), eval_fn=lambda m: {"loss": 1.0})
+    return {k: v for k, v in _files(tmp_path / "run").items() if k != ".lock"}
+
+
+def test_a_new_run_in_a_folder_of_another_keeps_its_checkpoints_and_moves_the_old_run_aside(tmp_path, capsys):
+    """Old run: steps 1-4, checkpoints 3 and 4 kept. A new run of 3 steps into the same folder
+    (resume=False) used to have its checkpoints pruned as older than the old run's, leaving
+    ``latest`` dangling: now the old run is moved whole into previous-1/, the new one resumes."""
+    old = _old_run(tmp_path)
+    assert sorted(k for k in old if k.startswith("checkpoints/step")) == [
+        "checkpoints/step_000000003.pt", "checkpoints/step_000000004.pt"]
+    run = tmp_path / "run"
+    cfg = config(tmp_path, recipe="bf16", steps=3, ckpt_every=1, seed=7)
+    first = train(cfg, model=tiny_model(), train_batches=CountingBatches(), resume=False, stop_after=2)
+    assert [p.name for p in ckpt.list_checkpoints(run / "checkpoints")] == ["step_000000001.pt", "step_000000002.pt"]
+    assert ckpt.latest_checkpoint(run / "checkpoints").name == "step_000000002.pt"
+    err = capsys.readouterr().err
+    assert f"{run} held another run: its files are moved to {run / 'previous-1'}" in err
+    assert _files(run / "previous-1") == old  # every file of the old run, unchanged
+    assert not (run / "summary.json").exists()  # the old run's summary is not beside the new log
+    second = train(cfg, model=tiny_model(seed=3), train_batches=CountingBatches(seed=9))  # resumes the new run
+    assert "held another run" not in capsys.readouterr().err
+    assert second["steps"] == 3 and len(second["losses"]) == 1
+    assert [r["step"] for r in read_log(run) if "loss" in r] == [1, 2, 3] and len(first["losses"]) == 2
+    assert ckpt.load_checkpoint(ckpt.latest_checkpoint(run / "checkpoints"))["step"] == 3
+    # a third run: previous-2, previous-1 stays as it was
+    train(cfg, model=tiny_model(), train_batches=CountingBatches(), resume=False, stop_after=1)
+    assert _files(run / "previous-1") == old and (run / "previous-2" / "summary.json").is_file()
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "checkpoints", "config.json", "log.jsonl",
+                                                     "previous-1", "previous-2"]
+
+
+def test_a_new_run_killed_before_its_first_checkpoint_leaves_no_old_summary_beside_its_log(tmp_path):
+    old = _old_run(tmp_path, steps=2)
+
+    def killed(step, model):
+        raise KeyboardInterrupt  # before the first checkpoint
+
+    cfg = config(tmp_path, recipe="bf16", steps=3, ckpt_every=2)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, model=tiny_model(), train_batches=CountingBatches(), resume=False, on_step=killed)
+    run = tmp_path / "run"
+    assert _files(run / "previous-1") == old
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "config.json", "log.jsonl", "previous-1"]
+
+
+def test_a_move_killed_midway_is_finished_by_the_next_run(tmp_path, monkeypatch):
+    """The move is one rename per entry into .previous-1.partial/, then one rename to
+    previous-1: killed in between, the next run (even a resume) finishes it first."""
+    import os
+
+    from adahop.train import run_folder
+
+    old = _old_run(tmp_path)
+    rename, calls = os.rename, []
+
+    def killed_after_two(src, dst):
+        calls.append(src)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        rename(src, dst)
+
+    monkeypatch.setattr(run_folder.os, "rename", killed_after_two)
+    cfg = config(tmp_path, recipe="bf16", steps=4, ckpt_every=1)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, model=tiny_model(), train_batches=CountingBatches(), resume=False)
+    monkeypatch.setattr(run_folder.os, "rename", rename)
+    run = tmp_path / "run"
+    assert (run / ".previous-1.partial").is_dir() and not (run / "previous-1").exists()
+    summary = train(cfg, model=tiny_model(), train_batches=CountingBatches())  # a resume: finds nothing to resume
+    assert _files(run / "previous-1") == old and not (run / ".previous-1.partial").exists()
+    assert len(summary["losses"]) == 4 and "already_finished" not in summary

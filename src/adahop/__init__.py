@@ -3,9 +3,12 @@
 Layers, bottom to top: formats (MXFP4) -> transforms (Hadamard, the operand spec) -> patterns
 (detection, calibration) -> policy (strategy tables) -> config -> kernels (Triton) and ops (the
 dispatch: reference, triton, hopper_fp8, native_mx) -> layer_ops (the GEMMs as torch.library ops)
--> linear (the module) -> convert, modes_io, hf -> train, analyze, cli.
+-> linear (the module) -> convert, modes_io, hf, calibration (the ``Calibrator``), quantized_all_gather
+(FSDP2), oscillation -> schedule (BF16 phase and blocks) -> recipes (numerics + schedule,
+``adahop.recipe``) -> train, analyze, cli.
 """
 
+from adahop.calibration import Calibrator
 from adahop.config import RECIPES, AdaHOPConfig, GemmConfig
 from adahop.convert import (
     adahop_layers,
@@ -19,6 +22,8 @@ from adahop.linear import AdaHOPLinear
 from adahop.modes_io import load_modes, save_modes
 from adahop.patterns.detect import detect_outlier_pattern
 from adahop.policy import modes_from_patterns
+from adahop.recipes import Recipe, recipe
+from adahop.schedule import PrecisionSchedule
 from adahop.transforms.hadamard import block_hadamard, inverse_block_hadamard
 
 __version__ = "0.1.0"
@@ -27,8 +32,11 @@ __all__ = [
     "RECIPES",
     "AdaHOPConfig",
     "AdaHOPLinear",
+    "Calibrator",
     "GemmConfig",
     "MXFP4Tensor",
+    "PrecisionSchedule",
+    "Recipe",
     "adahop_layers",
     "block_hadamard",
     "convert_to_adahop_training",
@@ -42,5 +50,6 @@ __all__ = [
     "load_modes",
     "modes_from_patterns",
     "quantize_mxfp4",
+    "recipe",
     "save_modes",
 ]

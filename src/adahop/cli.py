@@ -88,7 +88,6 @@ def run_train(args) -> dict:
     import torch
 
     from adahop.train.data import load_corpus
-    from adahop.train.recipes import recipe_label
     from adahop.train.run import eval_fn_of, open_run
     from adahop.train.run_folder import ensure_writable_dir
     from adahop.train.trainer import train
@@ -119,10 +118,10 @@ def run_train(args) -> dict:
     if _rank():  # under torchrun, rank 0 says it for the run
         pass
     elif summary.get("already_finished"):
-        print(f"{cfg.out_dir} has finished already ({summary['steps']} steps of {recipe_label(cfg)}); left as it "
+        print(f"{cfg.out_dir} has finished already ({summary['steps']} steps of {cfg.recipe}); left as it "
               f"is. Held-out {desc or '-'}. Give a new --out (or --no-resume) to train again.")
     else:
-        print(f"{recipe_label(cfg)}: {summary['steps']} steps, {summary['tokens_per_s'] or 0:.0f} tok/s; "
+        print(f"{cfg.recipe}: {summary['steps']} steps, {summary['tokens_per_s'] or 0:.0f} tok/s; "
               f"held-out {desc}")
     return summary
 
@@ -136,7 +135,6 @@ def run_eval(args) -> dict:
     from adahop.train.checkpoint import latest_checkpoint, load_training_checkpoint
     from adahop.train.data import load_corpus
     from adahop.train.evaluate import evaluate_tasks
-    from adahop.train.precision import block_filter
     from adahop.train.run import heldout_eval, open_run
     from adahop.train.tasks import task_spec
     from adahop.train.trainer import TrainConfig, resolve_device
@@ -158,7 +156,7 @@ def run_eval(args) -> dict:
     model, _ = open_run(cfg, corpus, max_seq_len=eval_len)
     # the run's own conversion: its BF16 blocks and size rule stay nn.Linear
     adahop.convert_to_adahop_training(model, config=cfg.adahop,
-                                      module_filter_fn=block_filter(model, cfg.bf16_blocks, cfg.min_features))
+                                      module_filter_fn=cfg.schedule.module_filter(model, cfg.min_features))
     model.load_state_dict(state["model"])
     model.to(device)
     print(f"{run}: {found.name}; held-out loss over {args.heldout_batches} batches per source", file=sys.stderr)
@@ -366,14 +364,18 @@ def _bf16_phase(text: str) -> tuple[float, tuple[str, ...]]:
 def _add_train_args(p):
     from adahop.config import BACKEND_CHOICES, DGRAD_WEIGHTS
     from adahop.policy import GEMM_MODES
+    from adahop.recipes import DEFAULT_RECIPE, RECIPE_NAMES, SCHEDULED_RECIPES
     from adahop.train.model import SIZES
-    from adahop.train.recipes import DEFAULT_RECIPE, PRESETS, TRAIN_RECIPES
+    from adahop.train.recipes import PRESETS
 
+    numerics, schedule = SCHEDULED_RECIPES[DEFAULT_RECIPE]
+    gemms = ",".join(schedule.bf16_phase_gemms)
     g = p.add_argument_group("what")
-    g.add_argument("--recipe", default=DEFAULT_RECIPE, choices=list(TRAIN_RECIPES),
-                   help="AdaHOP recipe; adahop_lv2_tail: adahop_lv2 with the forward in BF16 for the last "
-                        "18%% of the steps (--bf16-phase 0.82:fprop; a shorter run than the calibration allows "
-                        "for is refused: name adahop_lv2 then)")
+    g.add_argument("--recipe", default=DEFAULT_RECIPE, choices=list(RECIPE_NAMES),
+                   help=f"AdaHOP recipe (adahop.recipes); {DEFAULT_RECIPE}: {numerics} with {gemms} in BF16 for the "
+                        f"last {1 - schedule.bf16_phase_start:.0%}% of the steps (--bf16-phase "
+                        f"{schedule.bf16_phase_start}:{gemms}; a shorter run than the calibration allows for is "
+                        f"refused: name {numerics} then)")
     g.add_argument("--preset", default="cpu", choices=list(PRESETS),
                    help="model size, batch and schedule (adahop/train/recipes.py)")
     g.add_argument("--corpus", default="runs/corpus", help="corpus folder (adahop data)")
@@ -424,7 +426,9 @@ def _add_train_args(p):
                    help="where the MXFP4 GEMMs run (default auto: the fastest this device has; "
                         "reference: dequantize + matmul, the numerics' definition, on any device)")
     g = p.add_argument_group("behaviour")
-    g.add_argument("--no-resume", action="store_true", help="start over even if the run folder has a checkpoint")
+    g.add_argument("--no-resume", action="store_true",
+                   help="start a new run even if the run folder holds one (whose files are moved into the "
+                   "folder's previous-N/, never deleted)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--compile", choices=("auto", "model", "blocks", "none"), default=None,
                    help="torch.compile the whole model ('model'), each transformer block ('blocks') or nothing; "
@@ -452,7 +456,7 @@ def _add_train_args(p):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from adahop.train.recipes import DEFAULT_RECIPE, TRAIN_RECIPES
+    from adahop.recipes import DEFAULT_RECIPE, RECIPE_NAMES
     from adahop.train.sources import DEFAULT_SOURCES, describe_sources
 
     p = argparse.ArgumentParser(prog="adahop", description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
@@ -505,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "they are.")
     q.add_argument("--root", default="runs", help="folder for the corpus and the runs")
     q.add_argument("--steps", type=_positive_int, default=None, help="override the cpu preset's steps")
-    q.add_argument("--recipes", nargs="+", default=["bf16", DEFAULT_RECIPE], choices=list(TRAIN_RECIPES),
+    q.add_argument("--recipes", nargs="+", default=["bf16", DEFAULT_RECIPE], choices=list(RECIPE_NAMES),
                    help="recipes to train")
     _add_analyze_parser(sub)
     return p

@@ -19,6 +19,10 @@ recipe          what it does
                 high precision (``policy.MeasuredPolicy``)
 ==============  ===============================================================================
 
+These are the numerics recipes. A recipe may add a precision schedule (a BF16 phase, BF16 blocks:
+``adahop.schedule``): ``adahop.recipe(name)`` (``adahop.recipes``) gives every recipe, these and
+the scheduled ones such as ``adahop_lv2_tail``, ``adahop train``'s default.
+
 Rounding (docs/method.md, 'Stochastic rounding'): RNE for X and W, SR for G, unless a recipe says otherwise. Every
 GEMM has its own ``GemmConfig`` (Hadamard size, random signs, OE k, rounding of each operand,
 scale mode), so a policy or an experiment changes one GEMM without touching the others.
@@ -131,6 +135,11 @@ class AdaHOPConfig:
     tau: float = DEFAULT_TAU
     backend: str = "auto"
     seed: int = 0
+    # Under FSDP2, all-gather each layer's weight as the forward GEMM's MXFP4 operand (4.25 bits a
+    # value, not bf16's 16) once its modes allow, the same bits as gathering it whole
+    # (adahop.quantized_all_gather; docs/distributed.md). The converted weights are set up for it;
+    # the model is sharded with FSDP2's own fully_shard. Needs dgrad_weight "forward".
+    quantized_all_gather: bool = False
 
     def __post_init__(self):
         for gemm in GEMMS:
@@ -152,7 +161,7 @@ class AdaHOPConfig:
                                  "GEMM in BF16")
         check_tau(self.tau)
         check_seed(self.seed)
-        for flag in ("adaptive", "share_input"):
+        for flag in ("adaptive", "share_input", "quantized_all_gather"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         steps = self.calibration_steps
@@ -160,6 +169,13 @@ class AdaHOPConfig:
             raise ValueError(f"calibration_steps must be an int >= 1, got {steps!r}")
         if not self.adaptive:
             check_modes(self.fixed_modes())
+        if self.quantized_all_gather:
+            if self.dgrad_weight != "forward":
+                raise ValueError("quantized_all_gather gathers only the forward GEMM's quantized weight: it needs "
+                                 f"dgrad_weight 'forward' (--dgrad-weight forward), got {self.dgrad_weight!r}")
+            if not self.adaptive and set(self.fixed_modes().values()) == {"bf16"}:
+                raise ValueError(f"quantized_all_gather: recipe {self.recipe!r} runs no MXFP4 GEMM, there is nothing "
+                                 "to gather quantized")
         if self.policy == "measured" and (self.policy_fn is None or isinstance(self.policy_fn, _ConfigMeasuredPolicy)):
             # k is part of the choice (from k/4 to 2k of each GEMM's oe_k: quant_error.oe_k_ladder)
             object.__setattr__(self, "policy_fn", _ConfigMeasuredPolicy(self.hp_budget, None))
@@ -230,8 +246,19 @@ class AdaHOPConfig:
 
     @classmethod
     def from_recipe_name(cls, name: str, **overrides) -> AdaHOPConfig:
-        """One of ``RECIPES``; keyword overrides replace fields of the result."""
+        """One of ``RECIPES``; keyword overrides replace fields of the result. A scheduled recipe
+        (``adahop.recipes.SCHEDULED_RECIPES``, e.g. ``adahop_lv2_tail``) is a ValueError naming
+        ``adahop.recipe``, which gives its config and its schedule: a config alone would drop the
+        schedule without a word."""
         if name not in RECIPES:
+            # (imported here: adahop.recipes builds its recipes on this module)
+            from adahop.recipes import SCHEDULED_RECIPES
+
+            if name in SCHEDULED_RECIPES:
+                numerics, schedule = SCHEDULED_RECIPES[name]
+                raise ValueError(f"recipe {name!r} is {numerics} with a precision schedule ({schedule.describe()}), "
+                                 f"which an AdaHOPConfig does not hold: use adahop.recipe({name!r}) for both (its "
+                                 f".config and .schedule), or from_recipe_name({numerics!r}) for the numerics alone")
             raise ValueError(f"unknown recipe {name!r}; known recipes: {tuple(RECIPES)}")
         return dataclasses.replace(RECIPES[name](), **overrides)
 

@@ -1,7 +1,8 @@
 """``convert_to_adahop_training``: swap a model's ``nn.Linear`` modules for ``AdaHOPLinear``.
 
 The swapped modules share the original parameters (nothing is copied; optimizers built before or
-after the swap see the same tensors). By default every ``nn.Linear`` is converted except the LM
+after the swap see the same tensors; but with ``AdaHOPConfig.quantized_all_gather``, whose weights
+become new parameters for FSDP2). By default every ``nn.Linear`` is converted except the LM
 head (the LM head, embeddings, norms and attention's own matmuls stay in high precision: see
 docs/method.md, 'The three GEMMs of a linear layer'). The LM head is recognised as a Linear whose
 weight is tied to an ``nn.Embedding`` or whose name ends in ``lm_head``, ``output`` or ``head``;
@@ -134,7 +135,9 @@ def convert_to_adahop_training(
     fqn)`` with an ``AdaHOPLinear`` sharing its parameters. Returns ``model``.
 
     A model that is itself an ``nn.Linear`` is converted and returned (it cannot be swapped in
-    place). Already-converted layers are left alone."""
+    place). Already-converted layers are left alone. With ``config.quantized_all_gather`` the
+    converted weights become new parameters (``adahop.quantized_all_gather.install``, for FSDP2):
+    build the optimizer after."""
     if not isinstance(config, AdaHOPConfig):
         raise ValueError(f"config must be an AdaHOPConfig (see AdaHOPConfig.from_recipe_name), "
                          f"got {type(config).__name__}")
@@ -146,12 +149,22 @@ def convert_to_adahop_training(
         return type(mod) is nn.Linear
 
     if eligible(model):
-        return AdaHOPLinear.from_float(model, config=config, name="") if keep(model, "") else model
-    for fqn, mod in list(model.named_modules()):
-        for child_name, child in list(mod.named_children()):
-            child_fqn = f"{fqn}.{child_name}" if fqn else child_name
-            if eligible(child) and keep(child, child_fqn):
-                setattr(mod, child_name, AdaHOPLinear.from_float(child, config=config, name=child_fqn))
+        if not keep(model, ""):
+            return model
+        model = AdaHOPLinear.from_float(model, config=config, name="")
+        converted = {"": model}
+    else:
+        converted = {}
+        for fqn, mod in list(model.named_modules()):
+            for child_name, child in list(mod.named_children()):
+                child_fqn = f"{fqn}.{child_name}" if fqn else child_name
+                if eligible(child) and keep(child, child_fqn):
+                    converted[child_fqn] = AdaHOPLinear.from_float(child, config=config, name=child_fqn)
+                    setattr(mod, child_name, converted[child_fqn])
+    if config.quantized_all_gather:  # (imported here: torch.distributed's FSDP2, for this option only)
+        from adahop.quantized_all_gather import install
+
+        install(model, layers=converted)
     return model
 
 

@@ -14,8 +14,9 @@ a converted model. This module's two functions write and read them beside the we
     model = from_pretrained(LlamaForCausalLM, "out/")    # converted, with the same modes
 
 Side files rather than the state dict: safetensors cannot hold the extra state, and the modes
-file is ``modes_io``'s format (the one ``adahop train`` writes as ``modes.json``), readable and
-loadable on its own with ``adahop.load_modes``. ``adahop_config.json`` holds the
+file is ``modes_io``'s format (``adahop train`` writes its ``modes.json`` with ``save_modes``
+too: modes, patterns and a measured policy's OE k), readable and loadable on its own with
+``adahop.load_modes``. ``adahop_config.json`` holds the
 ``AdaHOPConfig`` and the names of the converted layers, so loading converts the same layers
 with the same numerics. A model saved while still calibrating keeps its weights only: its votes
 are not written, and the loaded model calibrates afresh (a warning says so).

@@ -255,7 +255,7 @@ class AdaHOPLinear(nn.Linear):
     @property
     def numerics(self) -> str:
         """The ops' description of this layer's GEMMs now (``layer_ops.numerics_key``): what an
-        operand quantized ahead of a call (train.quantized_all_gather's weight) must match."""
+        operand quantized ahead of a call (adahop.quantized_all_gather's weight) must match."""
         return self._numerics
 
     def _plan(self, device: torch.device, needs_backward: bool = True) -> LayerPlan:

@@ -32,7 +32,6 @@ def compare_runs(run_dirs, plot_path=None) -> str:
     memory) and, with ``plot_path``, their loss curves as a PNG. Runs are keyed by folder, so two
     runs of one recipe (two seeds, say) are two rows and two curves."""
     from adahop.train.plot import plot_loss_curves
-    from adahop.train.recipes import recipe_label
 
     rows, curves, calibration, phases = [], {}, {}, {}
     for d, label in zip(run_dirs, run_labels(run_dirs)):
@@ -50,7 +49,7 @@ def compare_runs(run_dirs, plot_path=None) -> str:
         final = next((r["final_eval"] for r in reversed(log) if "final_eval" in r), None)
         summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
         heldout = final["loss"] if final else math.nan
-        rows.append((label, recipe_label(cfg), len(curves[label]), heldout, summary.get("tokens_per_s"),
+        rows.append((label, cfg.recipe, len(curves[label]), heldout, summary.get("tokens_per_s"),
                      steady_tokens_per_s(curves[label], cfg.adahop.calibration_steps),
                      summary.get("peak_memory_bytes")))
     baseline = next((r for r in rows if r[1] == "bf16"), None)

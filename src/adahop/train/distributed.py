@@ -1,32 +1,18 @@
-"""Data-parallel training under torchrun: the process group, rank and world, the calibration
-consensus, and the checks that stop every rank together (docs/distributed.md).
+"""Data-parallel training under torchrun: the process group, rank and world, and the checks that
+stop every rank together (docs/distributed.md).
 
 One ``Parallel`` object per run says where this process stands (rank, world size, device) and
 does the few things data parallelism adds to the trainer:
 
 * ``wrap`` (DDP) / ``shard_model`` (FSDP2: ``fully_shard`` per block, bf16 or float32
   parameters, float32 reductions; optionally the AdaHOP weights gathered as fprop's MXFP4 operand,
-  ``train.quantized_all_gather``) / ``clip_grad_norm``.
+  ``adahop.quantized_all_gather``) / ``clip_grad_norm``.
 * ``shard``: the global batch of ``batch_size`` sequences is the same on every rank (every rank
   draws it from the same seeded iterator); rank r trains on rows ``[r*B/W, (r+1)*B/W)``. The
   data position is therefore global, the same on every rank, and resumes on any world size.
-* ``align_sr_counters``: rank r of W draws the stochastic-rounding call numbers r, r + W,
-  r + 2W, ... of each layer (a layer's SR seed is a hash of its config seed, its name and that
-  number; linear.py). The ranks' streams differ, so their rounding errors are independent and
-  average out in the gradient all-reduce, each rank's is reproducible, and together they are
-  the stream a single process with W-fold gradient accumulation draws: DDP on W ranks then
-  quantizes exactly the values such a run quantizes, with the same bits (tested).
-* the calibration consensus (``start_calibration_step`` / ``merge_calibration``): the layers do
-  not freeze themselves (``freeze_when_calibrated = False``); each forward's observations are
-  recorded apart (on the device, ``patterns.calibration``), and after the backward every rank's
-  (votes, running sums, finite counts) are read back (one read of the device for all layers),
-  gathered (one all-gather) and added to the merged state in rank order, so every rank holds
-  the same numbers; a layer whose merged count reaches ``calibration_steps`` freezes on every
-  rank from them. A backward pass of each rank counts, as a micro-batch does under accumulation.
-  (So a data-parallel calibration step waits for the device once, at its end, where a single
-  process waits only at the freeze.)
-* ``check_modes``: at the freeze and after a load, every rank's modes, patterns and
-  calibration state are compared; a difference stops every rank with ``RankMismatchError``.
+* the calibration protocol (the split into parts, each rank's stochastic-rounding numbers, the
+  merge of the ranks' observations, the freeze, the check that every rank holds the same modes)
+  is the library's ``adahop.Calibrator`` (adahop/calibration.py), over the default process group.
 * ``step_report`` / ``check_finite``: each rank's loss and whether its own gradient (before the
   all-reduce, seen by a DDP communication hook) was finite are gathered every step and read
   back with the losses; a non-finite one on any rank stops every rank at the same step with
@@ -49,8 +35,8 @@ from datetime import timedelta
 import torch
 from torch import nn
 
-from adahop.convert import adahop_layers
-from adahop.patterns.calibration import TENSOR_ROLES, LayerCalibration, read_calibrations
+# (the calibration consensus moved to the library; these names are still importable from here)
+from adahop.calibration import RankMismatchError, _add_stat, add_calibration, layer_state  # noqa: F401
 
 PARALLEL_CHOICES = ("none", "ddp", "fsdp2")
 LAUNCH = "torchrun --nproc-per-node N -m adahop.cli train --parallel {mode} ..."
@@ -60,12 +46,6 @@ TIMEOUT_ENV = "ADAHOP_DIST_TIMEOUT_S"  # the process group's timeout for a colle
 class LaunchError(ValueError):
     """The launch does not fit the run (no torchrun, a batch that does not split): every rank
     raises it alike."""
-
-    all_ranks = True  # the CLI prints it once, on rank 0
-
-
-class RankMismatchError(ValueError):
-    """Ranks hold different calibrated modes (or calibration state): every rank raises it."""
 
     all_ranks = True  # the CLI prints it once, on rank 0
 
@@ -142,40 +122,6 @@ def _timeout() -> timedelta | None:
         raise ValueError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds") from None
 
 
-# ---- the calibration consensus -----------------------------------------------------------------------
-def _add_stat(total, part):
-    """A running sum plus another: numbers, element-wise lists (a profile), None (none yet)."""
-    if part is None:
-        return total
-    if total is None:
-        return list(part) if isinstance(part, list) else part
-    if isinstance(total, list) != isinstance(part, list) or (isinstance(part, list) and len(part) != len(total)):
-        raise RankMismatchError(f"calibration statistics of different shapes cannot be merged: {total!r}, {part!r}")
-    return [a + b for a, b in zip(total, part)] if isinstance(part, list) else total + part
-
-
-def add_calibration(total: LayerCalibration, part: LayerCalibration) -> None:
-    """Add ``part``'s votes, sums and finite counts into ``total`` (what a layer would hold had it
-    observed both). The sums are added in the order the caller gives: every rank adds the
-    ranks' parts in rank order, so every rank gets the same numbers."""
-    for role in TENSOR_ROLES:
-        t, p = total.tensors[role], part.tensors[role]
-        for k, v in p.votes.items():
-            t.votes[k] = t.votes.get(k, 0) + v
-        for k, v in p.sums.items():
-            t.sums[k] = _add_stat(t.sums.get(k), v)
-        for k, v in p.finite_counts.items():
-            t.finite_counts[k] = t.finite_counts.get(k, 0) + v
-
-
-def layer_state(layer) -> dict:
-    """What must agree across ranks: modes, patterns, the calibration (while calibrating)."""
-    return {"modes": None if layer.modes is None else dict(layer.modes),
-            "patterns": None if layer.patterns is None else dict(layer.patterns),
-            "calibration": None if layer.calibration is None or not layer.calibrating
-            else layer.calibration.to_dict()}
-
-
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The blocks FSDP2 shards one by one: adahop's ``TransformerBlock``s, else the modules of the
     longest ``nn.ModuleList`` (a Hugging Face decoder's ``layers``, say)."""
@@ -197,11 +143,7 @@ class Parallel:
     world: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     owns_group: bool = False
-    _layers: dict = field(default_factory=dict, repr=False)
-    _merged: dict = field(default_factory=dict, repr=False)  # layer -> its merged calibration during a step
     _grad_bad: torch.Tensor | None = field(default=None, repr=False)
-    _sr_next: dict = field(default_factory=dict, repr=False)  # layer -> its next call count n (host side)
-    _sr_checked: bool = field(default=False, repr=False)
 
     # ---- setup ------------------------------------------------------------------------------------
     @classmethod
@@ -280,20 +222,6 @@ class Parallel:
         check_split(batch_size, self.world, calibration_micro_batches)
 
     # ---- the model --------------------------------------------------------------------------------
-    def prepare(self, model: nn.Module) -> None:
-        """Before training (after a load): the layers leave the freeze to the consensus, whose
-        starting point is their (already merged) calibration state."""
-        self._layers = dict(sorted(adahop_layers(model).items()))
-        if not self.distributed:
-            return
-        for layer in self._layers.values():
-            layer.freeze_when_calibrated = False
-        # A counter left at r + (n-1) W + 1 by this rank's last call continues at n (one read per
-        # layer here; afterwards the counts are kept on the host, so no step reads the device).
-        self._sr_next = {fqn: -(-(layer.calls - self.rank) // self.world) for fqn, layer in self._layers.items()
-                         if not layer.runs_plain_linear}
-        self._sr_checked = False
-
     def shard_model(self, model: nn.Module, *, bf16: bool, quantized_all_gather: bool = False) -> dict[str, str]:
         """FSDP2 (before the optimizer is built): ``fully_shard`` on each transformer block, then
         on the whole model (the embedding, the final norm, the head), torchtitan's way; each
@@ -302,7 +230,7 @@ class Parallel:
         (``bf16``: autocast, by default on CUDA), float32 otherwise; gradients reduced in float32.
 
         ``quantized_all_gather``: each AdaHOP layer's weight is gathered as fprop's MXFP4 operand
-        once its modes allow (``train.quantized_all_gather``). Returns the layers left to FSDP2's
+        once its modes allow (``adahop.quantized_all_gather``). Returns the layers left to FSDP2's
         own gather, with why (empty otherwise)."""
         if self.mode != "fsdp2":
             if quantized_all_gather:
@@ -313,7 +241,7 @@ class Parallel:
 
         left = {}
         if quantized_all_gather:
-            from adahop.train import quantized_all_gather as qag
+            from adahop import quantized_all_gather as qag
 
             left = qag.install(model, self.world)
         mesh = init_device_mesh(self.device.type, (self.world,))
@@ -348,7 +276,7 @@ class Parallel:
         from torch.nn.parallel import DistributedDataParallel
 
         # No buffer sync before each forward: DDP would copy rank 0's buffers into every rank, and an
-        # AdaHOP layer's SR counter may be a buffer that must stay per rank (align_sr_counters sets
+        # AdaHOP layer's SR counter may be a buffer that must stay per rank (adahop.Calibrator sets
         # it before each forward, so the sync at construction does no harm). A decoder's other
         # buffers (RoPE tables) are constants. (torch 2.13 renamed the option.)
         params = inspect.signature(DistributedDataParallel.__init__).parameters
@@ -379,90 +307,6 @@ class Parallel:
             raise ValueError(f"a batch of {rows} rows does not split over {self.world} ranks")
         n = rows // self.world
         return inputs[self.rank * n:(self.rank + 1) * n], targets[self.rank * n:(self.rank + 1) * n]
-
-    def align_sr_counters(self) -> dict | None:
-        """Before a training forward: each layer's call counter to this rank's next number,
-        r + n W (see the module doc). Returns the counters set, for ``check_sr_counters``."""
-        if self.world == 1:
-            return None
-        before = {}
-        for fqn, n in self._sr_next.items():
-            before[fqn] = self._layers[fqn].calls = n * self.world + self.rank  # a write: no sync
-            self._sr_next[fqn] = n + 1
-        return before
-
-    def check_sr_counters(self, before: dict | None) -> None:
-        """After the first training forward (one read): a layer called more than once per forward
-        would draw numbers of another rank's stream."""
-        if not before or self._sr_checked:
-            return
-        self._sr_checked = True
-        for fqn, calls in before.items():
-            ran = self._layers[fqn].calls - calls
-            if ran > 1:
-                warnings.warn(f"{fqn} ran {ran} times in one forward: under data parallelism its stochastic "
-                              "rounding then shares random numbers with another rank's", stacklevel=2)
-                return
-
-    def start_calibration_step(self) -> None:
-        """Before a training forward: each calibrating layer records this step's observations
-        apart (a fresh ``LayerCalibration``), its merged state kept here."""
-        if not self.distributed:
-            return
-        self._merged = {}
-        for fqn, layer in self._layers.items():
-            if layer.calibrating:
-                self._merged[fqn] = layer.calibration
-                layer.calibration = LayerCalibration()
-
-    def merge_calibration(self, step: int) -> list[str]:
-        """After the backward: every rank's new observations (one all-gather) added to the merged
-        state in rank order, the layers whose merged count reached ``calibration_steps`` frozen,
-        and the ranks checked to agree. Returns the layers frozen now."""
-        if not self.distributed or not self._merged:
-            return []
-        import torch.distributed as dist
-
-        read_calibrations(self._layers[fqn].calibration for fqn in self._merged)  # the step's one read
-        mine = {fqn: self._layers[fqn].calibration.to_dict() for fqn in self._merged}
-        gathered = [None] * self.world
-        dist.all_gather_object(gathered, mine)
-        if any(set(g) != set(mine) for g in gathered):
-            raise RankMismatchError(f"the ranks calibrate different layers at step {step}; every rank must convert "
-                                    "the same layers with the same config")
-        frozen = []
-        for fqn, total in self._merged.items():
-            for part in gathered:
-                add_calibration(total, LayerCalibration.from_dict(part[fqn]))
-            layer = self._layers[fqn]
-            layer.calibration = total
-            if layer.calibration.steps >= layer.config.calibration_steps:
-                layer.finish_calibration()
-                frozen.append(fqn)
-        self._merged = {}
-        if frozen:
-            self.check_modes(f"at the freeze in step {step}")
-        return frozen
-
-    def check_modes(self, where: str) -> None:
-        """Every rank holds the same modes, patterns and calibration state; else every rank
-        raises ``RankMismatchError`` naming the first layer that differs."""
-        if self.world == 1:
-            return
-        import torch.distributed as dist
-
-        mine = {fqn: layer_state(layer) for fqn, layer in self._layers.items()}
-        gathered = [None] * self.world
-        dist.all_gather_object(gathered, mine)
-        for r, theirs in enumerate(gathered[1:], start=1):
-            for fqn in gathered[0]:
-                a, b = gathered[0][fqn], theirs.get(fqn)
-                if a != b:
-                    what = next((k for k in a if b is None or a[k] != b.get(k)), "layers")
-                    raise RankMismatchError(
-                        f"the ranks disagree {where}: layer {fqn!r} has {what} {a[what]} on rank 0 and "
-                        f"{None if b is None else b[what]} on rank {r}. Every rank must run the same modes (their "
-                        "calibration is merged before the freeze); a checkpoint whose ranks differ cannot resume")
 
     # ---- the per-step check -----------------------------------------------------------------------
     def start_step(self) -> None:

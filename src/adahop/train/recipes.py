@@ -3,50 +3,24 @@ torchtitan way: a preset is code, so it can compute, and a diff shows what a pre
 
 "preset" = how big and how long (model size, batch, steps, schedule, and the AdaHOP settings that
 scale with the model: calibration length, OE k); the AdaHOP *recipe* (bf16, mxfp4, ...,
-adahop_lv2) is chosen separately, so that every recipe runs on the same preset and the comparison
-is fair. Each preset function takes a numerics recipe's name (``AdaHOPConfig.from_recipe_name``);
-``preset`` also takes the names of ``SCHEDULED_RECIPES``.
+adahop_lv2, adahop_lv2_tail) is chosen separately, so that every recipe runs on the same preset and
+the comparison is fair. The recipes are the library's (``adahop.recipes``: numerics and a
+precision schedule); each preset function takes a recipe's name, ``preset`` adds its schedule.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from adahop.config import RECIPES, AdaHOPConfig
-from adahop.train.precision import fewest_steps_for_phase, validate_schedule
+from adahop.config import AdaHOPConfig
+from adahop.recipes import DEFAULT_RECIPE, RECIPE_NAMES, Recipe, recipe
 from adahop.train.trainer import TrainConfig
 
-# adahop train's recipe when none is named: adahop_lv2 with the forward in BF16 for the last 18% of
-# the steps, the smallest gap to bf16 measured (docs/method.md, 'Recipes'). The layers' config,
-# AdaHOPConfig(), stays adahop_lv2: a schedule belongs to a training run, not to a layer.
-DEFAULT_RECIPE = "adahop_lv2_tail"
 
-# Named recipes that add a precision schedule (TrainConfig fields) to a numerics recipe. A schedule
-# is training-side, so these names are ``preset``'s and ``adahop train``'s, not
-# ``AdaHOPConfig.from_recipe_name``'s; a schedule field given as an override wins.
-SCHEDULED_RECIPES: dict[str, tuple[str, dict]] = {
-    # adahop_lv2 with the forward GEMM in BF16 for the last 18% of the steps: the smallest gap to
-    # bf16 measured, at 125M and on SmolLM2 (docs/method.md, 'Recipes')
-    "adahop_lv2_tail": ("adahop_lv2", {"bf16_phase_start": 0.82, "bf16_phase_gemms": ("fprop",)}),
-}
-TRAIN_RECIPES = (*RECIPES, *SCHEDULED_RECIPES)
-
-
-def recipe_label(cfg: TrainConfig) -> str:
-    """A run's recipe as ``adahop train`` names it: the name of ``SCHEDULED_RECIPES`` whose
-    numerics recipe and BF16 phase the run has, else its numerics recipe, with the BF16 phase it
-    ran where it has one of its own."""
-    for name, (numerics_recipe, schedule) in SCHEDULED_RECIPES.items():
-        if cfg.recipe == numerics_recipe and all(getattr(cfg, k) == v for k, v in schedule.items()):
-            return name
-    if cfg.bf16_phase_start is None or cfg.recipe == "bf16":
-        return cfg.recipe
-    return f"{cfg.recipe}, {'/'.join(cfg.bf16_phase_gemms)} BF16 from {cfg.bf16_phase_start:.0%}"
-
-
-def numerics(recipe: str, *, calibration_steps: int, oe_k: int) -> AdaHOPConfig:
-    """The AdaHOP config of ``recipe`` with a preset's calibration length and OE k (all GEMMs)."""
-    return AdaHOPConfig.from_recipe_name(recipe, calibration_steps=calibration_steps).with_gemm_settings(oe_k=oe_k)
+def numerics(recipe_name: str, *, calibration_steps: int, oe_k: int) -> AdaHOPConfig:
+    """The AdaHOP config of recipe ``recipe_name`` with a preset's calibration length and OE k
+    (all GEMMs)."""
+    return recipe(recipe_name, calibration_steps=calibration_steps).config.with_gemm_settings(oe_k=oe_k)
 
 
 def debug(recipe: str) -> TrainConfig:
@@ -115,13 +89,13 @@ ADAHOP_OVERRIDES = ("recipe", "calibration_steps", "calibration_gemms", "dgrad_w
 
 def preset(name: str, *, adahop: AdaHOPConfig | None = None, **overrides) -> TrainConfig:
     """Preset ``name`` with ``overrides`` (None values are ignored, so a CLI's unset options pass
-    through). ``recipe`` picks the recipe (default ``DEFAULT_RECIPE``); ``calibration_steps``,
-    ``calibration_gemms``, ``dgrad_weight``, ``value_fprop``, ``oe_k`` (all GEMMs) and ``backend``
-    change the AdaHOP side; ``adahop`` replaces the AdaHOP config as a whole (an experiment's own
-    variant), before those, and brings no BF16 phase but one given as an override; ``seed`` sets
-    both the training seed and the SR seed; every other name is a TrainConfig field. ``recipe`` is
-    one of ``TRAIN_RECIPES``: a numerics recipe, or a name of ``SCHEDULED_RECIPES`` (a numerics
-    recipe and a BF16 phase)."""
+    through). ``recipe`` picks the recipe (default ``DEFAULT_RECIPE``): its numerics and its
+    precision schedule (``adahop.recipes``); ``calibration_steps``, ``calibration_gemms``,
+    ``dgrad_weight``, ``value_fprop``, ``oe_k`` (all GEMMs) and ``backend`` change the AdaHOP side;
+    ``adahop`` replaces the AdaHOP config as a whole (an experiment's own variant), before those,
+    and brings no BF16 phase but one given as an override; ``seed`` sets both the training seed and
+    the SR seed; every other name is a TrainConfig field (a schedule field given wins over the
+    recipe's)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {tuple(PRESETS)}")
     overrides = {k: v for k, v in overrides.items() if v is not None}
@@ -132,13 +106,13 @@ def preset(name: str, *, adahop: AdaHOPConfig | None = None, **overrides) -> Tra
         raise ValueError(f"unknown preset overrides {sorted(unknown)}; known: {known}")
     if adahop is not None and "recipe" in overrides:
         raise ValueError("give a recipe name or an adahop config, not both")
-    recipe = overrides.pop("recipe", DEFAULT_RECIPE)
-    if recipe not in TRAIN_RECIPES:
-        raise ValueError(f"unknown recipe {recipe!r}; known recipes: {TRAIN_RECIPES}")
-    numerics_recipe, schedule = SCHEDULED_RECIPES.get(recipe, (recipe, {}))
-    if adahop is not None:
-        schedule = {}  # an experiment's own config runs no schedule it did not name (an override)
-    cfg = dataclasses.replace(PRESETS[name](numerics_recipe), **schedule)
+    recipe_name = overrides.pop("recipe", DEFAULT_RECIPE)
+    if recipe_name not in RECIPE_NAMES:
+        raise ValueError(f"unknown recipe {recipe_name!r}; known recipes: {RECIPE_NAMES}")
+    cfg = PRESETS[name](recipe_name)
+    schedule = recipe(recipe_name).schedule
+    if adahop is None:  # an experiment's own config runs no schedule it did not name (an override)
+        cfg = cfg.with_schedule(schedule)
     q = adahop or cfg.adahop
     if "calibration_steps" in overrides:
         q = q.replace(calibration_steps=overrides.pop("calibration_steps"))
@@ -152,19 +126,8 @@ def preset(name: str, *, adahop: AdaHOPConfig | None = None, **overrides) -> Tra
     if "seed" in overrides:
         q = q.replace(seed=overrides["seed"])
     cfg = dataclasses.replace(cfg, adahop=q, **overrides)
-    if schedule and "bf16_phase_start" not in overrides:
-        _check_scheduled_recipe(recipe, cfg)
+    if adahop is None and schedule.has_phase and "bf16_phase_start" not in overrides:
+        # a run too short for the recipe's phase to begin after the calibration is refused with the
+        # fewest steps that fit, in the recipe's terms (the user did not ask for a phase)
+        Recipe(recipe_name, cfg.adahop, cfg.schedule).check_run(cfg.steps, cfg.grad_accum)
     return cfg
-
-
-def _check_scheduled_recipe(recipe: str, cfg: TrainConfig) -> None:
-    """A run too short for its recipe's BF16 phase to begin after the calibration is refused
-    with the fewest steps that fit, in the recipe's terms (the user did not ask for a phase)."""
-    try:
-        validate_schedule(cfg.steps, cfg.grad_accum, cfg.bf16_phase_start, cfg.adahop.calibration_steps)
-    except ValueError:
-        fewest = fewest_steps_for_phase(cfg.bf16_phase_start, cfg.adahop.calibration_steps, cfg.grad_accum)
-        raise ValueError(f"recipe {recipe} runs {'/'.join(cfg.bf16_phase_gemms)} in BF16 from "
-                         f"{cfg.bf16_phase_start:.0%} of the steps on, which must come after the calibration's "
-                         f"{cfg.adahop.calibration_steps} steps: give at least {fewest} steps, or recipe "
-                         f"{SCHEDULED_RECIPES[recipe][0]}") from None

@@ -1,5 +1,5 @@
 """The training loop: AdamW with warm-up + cosine decay, gradient clipping and accumulation,
-optional BF16 autocast, AdaHOP calibration handled by the layers themselves, JSONL logs, a
+optional BF16 autocast, AdaHOP calibration by the library's ``Calibrator``, JSONL logs, a
 progress bar, atomic checkpoints and exact resume.
 
 Exact resume: a checkpoint holds everything the next step depends on (model, including the AdaHOP
@@ -14,7 +14,7 @@ and summary, every rank writes its part of a sharded checkpoint.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
 import math
 import sys
@@ -28,8 +28,13 @@ from torch import nn
 
 import adahop
 from adahop.atomic_io import atomic_write_bytes
+from adahop.calibration import Calibrator
 from adahop.config import AdaHOPConfig
 from adahop.convert import MIN_FEATURES, check_min_features, size_filter
+from adahop.modes_io import save_modes
+from adahop.oscillation import add_dampening_grad, check_dampening
+from adahop.recipes import recipe_name
+from adahop.schedule import PrecisionSchedule
 from adahop.train.checkpoint import (
     is_sharded,
     latest_checkpoint,
@@ -43,17 +48,8 @@ from adahop.train.checkpoint import (
 )
 from adahop.train.compile import compile_blocks, compile_model
 from adahop.train.distributed import PARALLEL_CHOICES, Parallel
-from adahop.train.oscillation import add_dampening_grad, check_dampening
-from adahop.train.precision import (
-    apply_bf16_phase,
-    block_filter,
-    check_bf16_blocks,
-    check_bf16_phase,
-    phase_switch_step,
-    validate_schedule,
-)
 from adahop.train.pretrained import check_init
-from adahop.train.run_folder import RunLock, ensure_writable_dir
+from adahop.train.run_folder import RunLock, ensure_writable_dir, set_aside_previous_run
 from adahop.train.run_log import LOG_NAME, JsonlLog
 
 
@@ -92,14 +88,15 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
-    # where and when the run leaves MXFP4 (train/precision.py)
+    # where and when the run leaves MXFP4: the fields of its adahop.schedule.PrecisionSchedule
+    # (``schedule``), which checks them
     bf16_blocks: tuple[int, int] = (0, 0)  # the first and last blocks' linears stay BF16
     # linears whose layer_size (the harmonic mean of in and out features) is below this stay BF16
     # (adahop.convert, 'the size rule')
     min_features: int = MIN_FEATURES
     bf16_phase_start: float | None = None  # fraction of the steps after which bf16_phase_gemms run BF16
     bf16_phase_gemms: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
-    # lambda of the oscillation-dampening term lambda * ||W - Q(W)||^2 (train/oscillation.py); 0: off
+    # lambda of the oscillation-dampening term lambda * ||W - Q(W)||^2 (adahop.oscillation); 0: off
     oscillation_dampening: float = 0.0
     # machinery
     seed: int = 0  # model initialisation and data order (the SR streams follow adahop.seed)
@@ -110,7 +107,9 @@ class TrainConfig:
     compile: str = "auto"
     cudagraphs: bool = False  # with the model compiled: replay each step as CUDA graphs (reduce-overhead)
     parallel: str = "none"  # "ddp" or "fsdp2" under torchrun (train/distributed.py; batch_size is the global batch)
-    # fsdp2: gather each AdaHOP layer's weight as the forward GEMM's MXFP4 operand (train/quantized_all_gather.py)
+    # fsdp2: gather each AdaHOP layer's weight as the forward GEMM's MXFP4 operand
+    # (adahop.quantized_all_gather): this run's spelling of adahop.quantized_all_gather, either one
+    # turns it on (``gathers_quantized``)
     quantized_all_gather: bool = False
     log_every: int = 1
     sync_every: int = 10  # read losses back from the device every this many steps (see train())
@@ -126,12 +125,34 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
     @property
+    def schedule(self) -> PrecisionSchedule:
+        """The run's precision schedule (a ValueError if its fields are not one)."""
+        return PrecisionSchedule(bf16_phase_start=self.bf16_phase_start, bf16_phase_gemms=self.bf16_phase_gemms,
+                                 bf16_blocks=self.bf16_blocks)
+
+    def with_schedule(self, schedule: PrecisionSchedule) -> TrainConfig:
+        """The same config with ``schedule``'s fields."""
+        return dataclasses.replace(self, bf16_phase_start=schedule.bf16_phase_start,
+                                   bf16_phase_gemms=schedule.bf16_phase_gemms, bf16_blocks=schedule.bf16_blocks)
+
+    @property
     def recipe(self) -> str:
-        return self.adahop.recipe
+        """The run's recipe as ``adahop train`` names it (``adahop.recipes.recipe_name``): the
+        scheduled recipe its numerics and BF16 phase make (adahop_lv2_tail), else its numerics
+        recipe, with the phase where it has one of its own. The layers' numerics recipe is
+        ``adahop.recipe``."""
+        return recipe_name(self.adahop.recipe, self.schedule)
+
+    @property
+    def gathers_quantized(self) -> bool:
+        """FSDP2 gathers the AdaHOP weights quantized: ``quantized_all_gather`` here or in ``adahop``."""
+        return self.quantized_all_gather or self.adahop.quantized_all_gather
 
     def to_dict(self) -> dict:
-        """Plain data for config.json and the checkpoint (``from_dict`` reads it back)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        """Plain data for config.json and the checkpoint (``from_dict`` reads it back). "recipe"
+        is the run's recipe (``recipe``), for a reader of the file; it is made from the other
+        fields, so ``from_dict`` reads it as it reads nothing."""
+        d = {"recipe": self.recipe, **{f.name: getattr(self, f.name) for f in fields(self)}}
         d["adahop"] = self.adahop.to_dict()
         d["extra"] = dict(self.extra)
         return d
@@ -149,6 +170,7 @@ class TrainConfig:
                 k: flat[k] for k in ("calibration_steps", "backend") if k in flat})
             d["adahop"] = q.with_gemm_settings(oe_k=flat["oe_k"]) if "oe_k" in flat else q
         elif "adahop" in d:
+            d.pop("recipe", None)  # the run's recipe, made from the other fields (to_dict)
             d["adahop"] = AdaHOPConfig.from_dict(d["adahop"])
         if isinstance(d.get("compile"), bool):  # adahop 0.1.0: True compiled each block
             d["compile"] = "blocks" if d["compile"] else "none"
@@ -204,17 +226,16 @@ class TrainConfig:
             raise ValueError(f"parallel must be one of {PARALLEL_CHOICES}, got {self.parallel!r}")
         if self.autocast not in ("auto", "bf16", "none"):
             raise ValueError(f"autocast must be 'auto', 'bf16' or 'none', got {self.autocast!r}")
-        check_bf16_blocks(self.bf16_blocks)
+        schedule = self.schedule  # its fields checked
         check_min_features(self.min_features)
         check_dampening(self.oscillation_dampening)
         if self.oscillation_dampening and self.parallel == "fsdp2":
             raise ValueError("oscillation_dampening reads whole weights: not with --parallel fsdp2 (use ddp)")
-        check_bf16_phase(self.bf16_phase_start, self.bf16_phase_gemms)
-        validate_schedule(self.steps, self.grad_accum, self.bf16_phase_start,
-                          self.adahop.calibration_steps if self.adahop.adaptive else None)
+        schedule.check_run(self.steps, self.adahop.calibration_steps if self.adahop.adaptive else None,
+                           self.grad_accum)
         device = resolve_device(self.device)
-        if self.quantized_all_gather:
-            from adahop.train.quantized_all_gather import check_config
+        if self.gathers_quantized:
+            from adahop.quantized_all_gather import check_config
 
             check_config(self.parallel, self.adahop, resolve_compile(self, device))
         # The backend is first asked for at the first MXFP4 step, after the BF16 calibration:
@@ -224,7 +245,7 @@ class TrainConfig:
 
         if self.adahop.backend != "auto":
             reason = unavailable_reason(self.adahop.backend, device)
-            if reason is not None and self.recipe != "bf16":
+            if reason is not None and self.adahop.recipe != "bf16":
                 raise ValueError(reason)
 
 
@@ -309,7 +330,8 @@ class StopTraining(Exception):  # noqa: N818  (a signal, not an error)
 # (``adahop.backend`` may change too: every backend gives the reference's quantized bits, and
 # their GEMMs differ only in accumulation order.)
 # (``parallel`` may change between ddp and fsdp2: their sharded checkpoints are the same format.)
-# (``quantized_all_gather`` may change: it gathers the operand the layer would quantize, bit for bit.)
+# (``quantized_all_gather`` and ``adahop.quantized_all_gather`` may change: it gathers the operand the
+# layer would quantize, bit for bit.)
 # (``adahop.share_input`` may change: the layers that read one x give the same bits either way.)
 # (``init`` may not: it names what the run's weights started from. A resumed run's weights are
 # the checkpoint's, loaded over the freshly loaded pretrained ones.)
@@ -324,8 +346,11 @@ def resume_conflicts(saved: dict, cfg: TrainConfig) -> list[str]:
     ``RESUMABLE_CHANGES``). A custom policy function is compared by the name it was saved under."""
     a, b = TrainConfig.from_dict(saved).to_dict(), cfg.to_dict()
     a["adahop"]["policy_fn"] = (saved.get("adahop") or {}).get("policy_fn")
-    out = [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if k not in RESUMABLE_CHANGES and k != "adahop" and a[k] != b[k]]
-    qa, qb = dict(a["adahop"], backend=None, share_input=None), dict(b["adahop"], backend=None, share_input=None)
+    # ("recipe" is made from adahop.recipe and the BF16 phase, which are compared themselves)
+    out = [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a
+           if k not in RESUMABLE_CHANGES and k not in ("adahop", "recipe") and a[k] != b[k]]
+    resumable = {"backend": None, "share_input": None, "quantized_all_gather": None}
+    qa, qb = dict(a["adahop"], **resumable), dict(b["adahop"], **resumable)
     out += [f"adahop.{k}: {qa[k]!r} -> {qb[k]!r}" for k in qa if qa[k] != qb[k]]
     return out
 
@@ -347,7 +372,9 @@ def train(
     The run folder ``cfg.out_dir`` is checked writable and locked for this process first
     (``run_folder``). With ``resume``, its latest checkpoint is continued, if its config matches
     (``resume_conflicts``); a run that has already finished is left as it is (the summary it
-    wrote comes back with ``"already_finished": True``).
+    wrote comes back with ``"already_finished": True``). Without, the files of a run already
+    there are moved into ``previous-N/`` (``run_folder.set_aside_previous_run``) and the run
+    starts in a clean folder.
 
     ``stop_after``: stop after that many steps of this call (to test interruption).
     ``on_step(step, model)``: called after each optimizer step (``step`` counts from 1), before
@@ -364,7 +391,11 @@ def train(
             par.check_batch(cfg.batch_size, cfg.calibration_micro_batches)
             if par.is_main:  # one owner of the folder; the other ranks write only their checkpoint parts
                 lock = RunLock(out).acquire()
-        except ValueError as e:
+                moved = set_aside_previous_run(out, new_run=not resume)
+                if moved is not None:
+                    print(f"{out} held another run: its files are moved to {moved}, and this run starts in a "
+                          "clean folder", file=sys.stderr)
+        except (ValueError, OSError) as e:
             error = e
         par.agree(error)
         return _train(cfg, out, par, model=model, train_batches=train_batches, eval_fn=eval_fn, resume=resume,
@@ -448,7 +479,7 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
 
     if not adahop.adahop_layers(model):
         adahop.convert_to_adahop_training(model, config=cfg.adahop,
-                                          module_filter_fn=block_filter(model, cfg.bf16_blocks, cfg.min_features))
+                                          module_filter_fn=cfg.schedule.module_filter(model, cfg.min_features))
         size_rule = size_filter(cfg.min_features)
         by_size = [n for n, m in model.named_modules() if type(m) is nn.Linear and not size_rule(m, n)]
         if by_size and par.is_main:
@@ -460,7 +491,7 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
         compile_model(model, **({"mode": "reduce-overhead"} if cfg.cudagraphs else {}))
     elif compile_mode == "blocks":
         compile_blocks(model)
-    par.shard_model(model, bf16=use_bf16, quantized_all_gather=cfg.quantized_all_gather)  # FSDP2: before the optimizer
+    par.shard_model(model, bf16=use_bf16, quantized_all_gather=cfg.gathers_quantized)  # FSDP2: before the optimizer
     opt = make_optimizer(model, cfg)
 
     start_step = 0
@@ -472,8 +503,8 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
         train_batches.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         start_step = state["step"]
-    par.prepare(model)
-    par.check_modes(f"after loading {found}" if state is not None else "at the start of training")
+    calibrator = Calibrator(model, micro_batches=cfg.calibration_micro_batches,
+                            checked_at=f"after loading {found}" if state is not None else "at the start of training")
     forward = par.wrap(model)
     main = par.is_main
     log = JsonlLog(out / LOG_NAME, start_step if state is not None else None) if main else _NoLog()
@@ -520,47 +551,36 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
         t_window = time.perf_counter()
 
     stop = False
-    switch_step = phase_switch_step(cfg.steps, cfg.bf16_phase_start)
+    schedule = cfg.schedule
     try:
         while step < cfg.steps:
-            if switch_step is not None and step >= switch_step and cfg.recipe != "bf16":
-                changed = apply_bf16_phase(model, cfg.bf16_phase_gemms)
-                if changed:  # not again on a resume after the switch: the modes are in the checkpoint
-                    flush()  # the earlier steps' records first (one sync, once per run)
-                    log.write({"step": step, "bf16_phase": {"gemms": list(cfg.bf16_phase_gemms),
-                                                            "layers": len(changed)}})
+            changed = schedule.apply(model, step, cfg.steps)
+            if changed:  # not again on a resume after the switch: the modes are in the checkpoint
+                flush()  # the earlier steps' records first (one sync, once per run)
+                log.write({"step": step, "bf16_phase": {"gemms": list(cfg.bf16_phase_gemms), "layers": len(changed)}})
             lr = lr_at(step, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr
             opt.zero_grad(set_to_none=True)
             par.start_step()
             loss_sum = torch.zeros((), device=device)
-            # A step that begins calibrating splits each micro-batch (calibration_micro_batches).
-            # Calibration is host state, the same on every rank (merged), so no rank runs more
-            # forwards (and collectives) than another.
-            splits = 1 if adahop.is_calibrated(model) else cfg.calibration_micro_batches
-            passes = cfg.grad_accum * splits
-            for micro in range(cfg.grad_accum):
-                inputs, targets = par.shard(*next(train_batches))
-                inputs, targets = inputs.to(device), targets.to(device)
-                # The parts of a micro-batch whose layers all calibrate with BF16 GEMMs are one SR
-                # call (AdaHOPLinear: they draw no bits), so one rank's number; any other
-                # part is a call of its own.
-                one_call = splits > 1 and _bf16_calibrating(model)
-                with _split(model, splits):
-                    for part, (part_inputs, part_targets) in enumerate(zip(inputs.chunk(splits),
-                                                                           targets.chunk(splits))):
-                        if part == 0 or not one_call:
-                            counters = par.align_sr_counters()
-                        par.start_calibration_step()
-                        last_part = micro == cfg.grad_accum - 1 and part == splits - 1
+            # The calibration protocol (adahop.calibration): a step that begins calibrating runs each
+            # micro-batch as calibration_micro_batches parts; every forward's SR numbers are this
+            # rank's; the ranks' observations are merged after each backward, the layers frozen
+            # from them. Calibration is host state, the same on every rank (merged), so no rank
+            # runs more forwards (and collectives) than another.
+            with calibrator.step(step + 1) as cal_step:
+                passes = cfg.grad_accum * cal_step.parts
+                for micro in range(cfg.grad_accum):
+                    inputs, targets = par.shard(*next(train_batches))
+                    inputs, targets = inputs.to(device), targets.to(device)
+                    for part, (part_inputs, part_targets) in enumerate(cal_step.split(inputs, targets)):
+                        last_part = micro == cfg.grad_accum - 1 and part == cal_step.parts - 1
                         with par.no_sync(forward, last_micro_batch=last_part):
                             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
                                 logits = forward(part_inputs)
                             loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), part_targets.flatten())
                             (loss / passes).backward()
-                        par.check_sr_counters(counters)
-                        par.merge_calibration(step + 1)
                         loss_sum += loss.detach()
             add_dampening_grad(model, cfg.oscillation_dampening, torch.bfloat16 if use_bf16 else torch.float32)
             grad_norm = par.clip_grad_norm(model.parameters(), cfg.grad_clip)
@@ -619,33 +639,12 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
         "final_eval": eval_result,
     }
     if finished and main:
-        modes = {fqn: dict(layer.modes or {}) for fqn, layer in adahop.adahop_layers(model).items()}
-        write_text_atomic(out / "modes.json", json.dumps(modes, indent=1))
+        if adahop.is_calibrated(model):  # save_modes' format (with a measured policy's OE k); none while calibrating
+            save_modes(model, out / "modes.json")
         write_text_atomic(out / "summary.json",
                           json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1))
     par.barrier()  # the summary is written before any rank returns
     return summary
-
-
-def _bf16_calibrating(model: nn.Module) -> bool:
-    """Every converted layer of ``model`` calibrates, with BF16 GEMMs."""
-    layers = adahop.adahop_layers(model).values()
-    return bool(layers) and all(m.calibrating and m.config.calibration_gemms == "bf16" for m in layers)
-
-
-@contextlib.contextmanager
-def _split(model: nn.Module, splits: int):
-    """The context of a micro-batch run as ``splits`` parts (``splits`` > 1): the layers merge
-    its parts into one calibration observation (``adahop.calibration_parts``), and the model runs
-    eagerly. While a layer calibrates the compiled model runs eagerly anyway
-    (train/compile.py); once calibration ends within the step (with grad_accum > 1), its remaining
-    parts would compile the model at their smaller shape, and the next step, at the full batch,
-    would compile it again with a dynamic batch dim."""
-    if splits == 1:
-        yield
-        return
-    with adahop.calibration_parts(model, splits), torch.compiler.set_stance("force_eager"):
-        yield
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -2,6 +2,12 @@
 per value and one E8M0 byte per 32 values (4.25 bits), instead of the bf16 weight (16 bits) that
 the layer would quantize after the gather (docs/distributed.md, 'The quantized all-gather').
 
+The switch is the layers' option, beside them as torchao keeps its float8 all-gather beside its
+linear: ``AdaHOPConfig(quantized_all_gather=True)``. ``convert_to_adahop_training`` then makes each
+converted weight a ``ShardedWeight`` (``install``), and FSDP2's own ``fully_shard`` gathers it
+quantized. ``adahop train`` turns it on with ``--quantized-all-gather`` too (its ``TrainConfig``
+field, the same switch) and installs it at its sharding (``install(model, world)``).
+
 Shapes: w_NK is a layer's weight (N output features, K input features). FSDP2 shards it along
 N (dim 0): rank r of W holds rows [r N/W, (r+1) N/W).
 
@@ -44,8 +50,10 @@ ordinary gather (the shard in ``param_dtype``) where the layer needs W itself:
 * plain ``mxfp4`` whose shards are not whole 32-row tiles; a one-process world (FSDP2 copies a
   single input there).
 
-A layer whose N does not split evenly over the ranks keeps FSDP2's own gather (``install``):
-FSDP2 requires an extension's inputs to have the padded shard's shape, which codes cannot.
+A layer whose N does not split evenly over the ranks gathers in high precision: FSDP2 requires
+an extension's inputs to have the padded shard's shape, which codes cannot have. ``install`` with
+the world size leaves such a layer to FSDP2's own gather; installed without it (at conversion,
+the world not known yet), its shard is padded to that shape at each gather, as FSDP2 pads it.
 
 The switch when modes freeze
 ----------------------------
@@ -55,7 +63,9 @@ all-gather outputs at its first all-gather and builds the unsharded parameter on
 (``FSDPParam.init_all_gather_outputs`` returns early once they exist); a gather whose inputs
 change shape or dtype therefore drops both first (``_GatherState.reset``), so that FSDP2
 rebuilds them as on its first gather. The modes change between a backward and the next forward
-(the freeze follows the backward), when the parameter is sharded and holds no gradient.
+(the freeze follows the backward), when the parameter is sharded and holds no gradient. The
+weight finds its FSDP2 parameter among the FSDP2 modules of the model it was installed in
+(``attach``), at its first switch if ``attach`` was not called after ``fully_shard``.
 
 Bytes
 -----
@@ -66,6 +76,7 @@ every collective's input, norms and embeddings included.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -85,17 +96,13 @@ HIGH_PRECISION, MXFP4 = "high precision", "mxfp4"  # the two formats of a gather
 
 
 def check_config(parallel: str, adahop_config, compile_mode: str = "none") -> None:
-    """The run can gather quantized: FSDP2, dgrad by the forward's weight, MXFP4 GEMMs, eager
-    layers (``compile_mode``: what the run compiles, ``trainer.resolve_compile``)."""
+    """The run can gather quantized: FSDP2, eager layers (``compile_mode``: what the run compiles,
+    ``trainer.resolve_compile``), and a config that allows it (``AdaHOPConfig.quantized_all_gather``
+    checks dgrad by the forward's weight and MXFP4 GEMMs)."""
     if parallel != "fsdp2":
         raise ValueError(f"quantized_all_gather shards the weights' all-gather: it needs parallel 'fsdp2', "
                          f"got {parallel!r}")
-    if adahop_config.dgrad_weight != "forward":
-        raise ValueError("quantized_all_gather gathers only the forward GEMM's quantized weight: it needs "
-                         f"dgrad_weight 'forward' (--dgrad-weight forward), got {adahop_config.dgrad_weight!r}")
-    if adahop_config.recipe == "bf16":
-        raise ValueError("quantized_all_gather: recipe 'bf16' runs no MXFP4 GEMM, there is nothing to gather "
-                         "quantized")
+    adahop_config.replace(quantized_all_gather=True)  # (its own checks)
     if compile_mode != "none":
         # torch.compile would trace the gathered weight's dispatch, which runs the GEMMs on real
         # tensors: not traced or tested yet.
@@ -146,6 +153,7 @@ class _GatherState:
     optimizer make new ones: views, detached copies)."""
 
     name: str
+    root: weakref.ref | None = None  # the model it was installed in (where ``attach`` looks)
     fsdp_param: object = None  # FSDP2's FSDPParam of the weight (``attach``)
     signature: tuple | None = None  # the shapes and dtypes of the last gather's inputs
     format: str | None = None
@@ -154,10 +162,13 @@ class _GatherState:
 
     def reset(self) -> None:
         """Drop FSDP2's all-gather outputs and unsharded parameter (module doc, 'The switch')."""
+        if self.fsdp_param is None and self.root is not None and self.root() is not None:
+            attach(self.root())
         p = self.fsdp_param
         if p is None:
-            raise RuntimeError(f"{self.name}: the quantized all-gather was not attached to FSDP2's parameter "
-                               "(train.quantized_all_gather.attach after fully_shard)")
+            raise RuntimeError(f"{self.name}: the quantized all-gather found no FSDP2 parameter of this weight in the "
+                               "model it was converted in; call adahop.quantized_all_gather.attach(model) after "
+                               "fully_shard, with the model FSDP2 sharded")
         p.all_gather_outputs = []
         p._unsharded_inner_tensors = []
         if hasattr(p, "_unsharded_param"):
@@ -221,12 +232,22 @@ class ShardedWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         dtype = mp_policy.param_dtype or self.dtype
         state = self._state
-        fmt, why = gather_format(module, self._tensor.shape[0], mesh.size())
+        rows, world = outer_size[0], mesh.size()
+        if rows % world:  # (decided alike on every rank: the ranks' shards differ in rows here)
+            fmt, why = HIGH_PRECISION, f"its {rows} rows do not split evenly over {world} ranks"
+        else:
+            fmt, why = gather_format(module, rows // world, world)
         if fmt == MXFP4:
             q = fprop_operand(self._tensor, module, dtype)
             inputs, metadata = (q.codes, q.scale_e8m0), (MXFP4, module.numerics, q.block_size)
         else:
-            inputs, metadata = (self._tensor.to(dtype),), (HIGH_PRECISION,)  # FSDP2's own gather
+            # FSDP2's own gather: the shard in param_dtype, padded to the first rank's rows as
+            # FSDP2 pads it (the padding, at the end of the last shards, lies past the weight's rows)
+            w = self._tensor.to(dtype)
+            padded = -(-rows // world)
+            if w.shape[0] != padded:
+                w = torch.cat((w, w.new_zeros(padded - w.shape[0], *w.shape[1:])))
+            inputs, metadata = (w,), (HIGH_PRECISION,)
         signature = tuple((t.shape, t.dtype) for t in inputs)
         if state.signature is not None and signature != state.signature:
             state.reset()
@@ -310,31 +331,40 @@ class GatheredFpropWeight(torch.Tensor):
 
 
 # ---- setting it up ---------------------------------------------------------------------------------
-def install(model: nn.Module, world: int) -> dict[str, str]:
+def install(model: nn.Module, world: int | None = None, *, layers: dict | None = None) -> dict[str, str]:
     """Before ``fully_shard``: each AdaHOP layer's weight becomes a ``ShardedWeight`` (a new
-    parameter holding the same tensor: build the optimizer after). Returns the layers left to
-    FSDP2's own gather, with why."""
+    parameter holding the same tensor: build the optimizer after). ``world``: the ranks FSDP2
+    shards over; a layer whose rows they do not split evenly is left to FSDP2's own gather (a
+    weight already installed goes back to a plain parameter); None (not known yet, as at
+    conversion): such a layer gathers its padded shard in high precision (module doc).
+    ``layers``: those to install, by name (default: every AdaHOP layer of ``model``). Returns
+    the layers left to FSDP2's own gather, with why."""
     counts: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
     left = {}
-    for fqn, layer in adahop_layers(model).items():
+    for fqn, layer in (adahop_layers(model) if layers is None else layers).items():
         w = layer.weight
-        if layer.runs_plain_linear:
+        uneven = world is not None and w.shape[0] % world
+        if isinstance(w, ShardedWeight):
+            if uneven:
+                layer.weight = nn.Parameter(w._tensor, requires_grad=w.requires_grad)
+                left[fqn] = f"its {w.shape[0]} rows do not split evenly over {world} ranks"
+        elif layer.runs_plain_linear:
             left[fqn] = "a high-precision layer"
-        elif isinstance(w, ShardedWeight):
-            continue
         elif counts[id(w)] > 1:
             left[fqn] = "its weight is shared with another module"
-        elif w.shape[0] % world:
+        elif uneven:
             left[fqn] = f"its {w.shape[0]} rows do not split evenly over {world} ranks"
         else:
-            layer.weight = nn.Parameter(ShardedWeight(w.data, _GatherState(fqn)), requires_grad=w.requires_grad)
+            state = _GatherState(fqn, root=weakref.ref(model))
+            layer.weight = nn.Parameter(ShardedWeight(w.data, state), requires_grad=w.requires_grad)
     return left
 
 
 def attach(model: nn.Module) -> None:
-    """After ``fully_shard``: each sharded weight learns its FSDP2 parameter (for the switch)."""
+    """After ``fully_shard``: each sharded weight of ``model`` learns its FSDP2 parameter (for the
+    switch; a weight that was not attached looks for it at its first switch)."""
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue

@@ -15,8 +15,10 @@ flip them.
 Here Q(W) is the weight the layer's forward GEMM uses (``layer_ops.forward_weight``: fprop's
 quantized W, rotated back for IHT modes, with the OE rows exact; under IHT the distance is the
 same in the rotated basis, which is orthonormal). Layers still calibrating and layers whose
-forward runs in BF16 get no term. ``TrainConfig.oscillation_dampening`` is lambda; 0 is off.
-The term is added after the backward, before gradient clipping, so the clipped norm includes it.
+forward runs in BF16 get no term. The term is added after the backward, before gradient
+clipping, so the clipped norm includes it: a loop calls ``add_dampening_grad(model, lambda,
+dtype)`` there (``adahop train``: ``--oscillation-dampening``, ``TrainConfig.oscillation_dampening``;
+0 is off). It reads whole weights: under FSDP2 a layer holds a shard (not supported there).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import math
 import torch
 from torch import nn
 
-import adahop
+from adahop.convert import adahop_layers
 from adahop.layer_ops import forward_weight
 
 
@@ -38,20 +40,32 @@ def check_dampening(value) -> float:
 
 
 @torch.no_grad()
-def add_dampening_grad(model: nn.Module, strength: float, dtype: torch.dtype) -> int:
+def add_dampening_grad(model: nn.Module, strength: float, dtype: torch.dtype = torch.float32) -> int:
     """Add ``2 * strength * (W - Q(W))`` to the gradient of every converted layer's weight whose
     forward GEMM is quantized (``dtype``: the compute dtype, bf16 under autocast). Returns how
     many layers got the term."""
-    if strength == 0:
+    if check_dampening(strength) == 0:
         return 0
     count = 0
-    for layer in adahop.adahop_layers(model).values():
+    for layer in adahop_layers(model).values():
         w = layer.weight
         if w.grad is None or layer.calibrating:
             continue
+        if _is_shard(w):
+            raise ValueError(f"oscillation dampening reads whole weights: {layer.layer_name!r} holds an FSDP2 shard "
+                             "(use DDP, or no dampening)")
         plan = layer._plan(w.device, needs_backward=False)
         if not plan.fprop.quantized:
             continue
         w.grad.add_(w - forward_weight(w, plan, dtype).to(w.dtype), alpha=2 * strength)
         count += 1
     return count
+
+
+def _is_shard(w: torch.Tensor) -> bool:
+    """A DTensor (FSDP2's sharded parameter)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(w, DTensor)
