@@ -137,9 +137,7 @@ def window_phase(cfg, recipe: str, p0: int, last: int) -> str | None:
     (adahop_lv2_tail: the forward in BF16 from 82% of the steps): "before" it, "in" it (it began
     at least one step before P0, so its recompilation is not timed), or None (no phase). A phase
     beginning among them is a ValueError: the window would mix two step kinds."""
-    from adahop.train.precision import phase_switch_step
-
-    switch = None if cfg.recipe == "bf16" else phase_switch_step(cfg.steps, cfg.bf16_phase_start)
+    switch = None if cfg.adahop.recipe == "bf16" else cfg.schedule.switch_step(cfg.steps)
     if switch is None:
         return None
     if switch >= last:
@@ -188,11 +186,9 @@ def convert_peer(model, recipe: str, cfg, device: torch.device) -> dict:
     the peer's recipe, before ``train``: the trainer then finds no AdaHOP layer and converts, with
     recipe bf16, the linears torchao left (``F.linear``, as in the bf16 run). Returns the row's
     fields."""
-    from adahop.train.precision import block_filter
-
     version, config_class, convert = torchao_float8()
     require_float8_device(device)
-    accept = float8_filter(block_filter(model, cfg.bf16_blocks, cfg.min_features))
+    accept = float8_filter(cfg.schedule.module_filter(model, cfg.min_features))
     before = {fqn for fqn, m in model.named_modules() if type(m) is torch.nn.Linear}
     convert(model, config=config_class.from_recipe_name(PEERS[recipe]), module_filter_fn=accept)
     converted = sorted(before - {fqn for fqn, m in model.named_modules() if type(m) is torch.nn.Linear})
@@ -287,8 +283,8 @@ def measure(args, recipe: str) -> dict:
             "recipe": recipe, **peer, "preset": args.preset, "model_size": cfg.model_size, "compile": args.compile,
             "cudagraphs": args.cudagraphs,
             "device": str(device),  # where the MXFP4 GEMMs ran (bf16 and the torchao peers run none)
-            "backend": None if cfg.recipe == "bf16" else get_backend(cfg.adahop.backend, device).name,
-            "run_steps": cfg.steps, "bf16_phase_start": None if cfg.recipe == "bf16" else cfg.bf16_phase_start,
+            "backend": None if cfg.adahop.recipe == "bf16" else get_backend(cfg.adahop.backend, device).name,
+            "run_steps": cfg.steps, "bf16_phase_start": cfg.bf16_phase_start,
             "window_phase": window_phase(cfg, recipe, p0, last_step(args)),
             "batch_size": cfg.batch_size,
             "seq_len": cfg.seq_len, "grad_accum": cfg.grad_accum, "tokens_per_step": tokens_per_step,
@@ -433,12 +429,13 @@ def table(rows: list[dict]) -> str:
 
 # ---- command line ---------------------------------------------------------------------------------------------
 def parse_args(argv=None):
+    from adahop.recipes import RECIPE_NAMES
     from adahop.train.model import SIZES
-    from adahop.train.recipes import PRESETS, TRAIN_RECIPES
+    from adahop.train.recipes import PRESETS
 
     p = script_parser(__doc__)
     g = p.add_argument_group("what")
-    g.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES), choices=[*TRAIN_RECIPES, *PEERS],
+    g.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES), choices=[*RECIPE_NAMES, *PEERS],
                    help="recipes timed between the two bf16 runs: adahop's (adahop_lv2_tail: adahop train's default, "
                         "see --run-steps) and the torchao float8 peers (torchao_float8_tensorwise, "
                         "torchao_float8_rowwise: needs torchao and a GPU of compute capability >= 8.9) "

@@ -508,8 +508,8 @@ def test_bench_train_speed_peers_are_refused_without_torchao_or_a_float8_gpu(cor
 
 def test_bench_train_speed_float8_filter_keeps_the_lm_head_and_odd_dims_bf16():
     ts = script("bench_train_speed")
+    from adahop.schedule import block_filter
     from adahop.train.model import Llama, LlamaConfig
-    from adahop.train.precision import block_filter
 
     model = Llama(LlamaConfig.from_size("tiny", vocab_size=96, max_seq_len=32))
     model.layers[0].feed_forward.w2 = torch.nn.Linear(200, 64, bias=False)  # 200: not a multiple of 16
