@@ -9,6 +9,9 @@ output gradient, y_TN output, dx_TK, dw_NK.
     GEMM 2 dgrad  dx_TK = g_TN  @ w_NK       contraction N
     GEMM 3 wgrad  dw_NK = g_TN^T @ x_TK      contraction T
 
+(``gemm_geometry.GEOMETRY``: each operand's tensor, the dim it is quantized along, and the dims OE
+selects from; the code below reads it.)
+
 ``adahop::linear_forward(x, weight, rng_state, numerics, needs_backward)`` runs fprop and returns
 y with what wgrad will need of x (x quantized along T, and the OE columns); ``adahop::
 linear_backward`` runs dgrad and wgrad. ``torch.library.register_autograd`` ties them together,
@@ -50,12 +53,10 @@ import torch
 from adahop.config import AdaHOPConfig, GemmConfig
 from adahop.formats.mxfp4 import MXFP4Tensor, dequantize_mxfp4, fake_quantize_mxfp4_tiles
 from adahop.formats.rng import SRStream
+from adahop.gemm_geometry import DGRAD, FPROP, GEMMS, WGRAD, oe_outer_size
 from adahop.ops.backends import get_backend
 from adahop.ops.operand import OperandSpec, quantize_operand
-from adahop.policy import GEMMS
 from adahop.transforms.hadamard import inverse_block_hadamard, random_signs
-
-GEMM_INDEX = {g: i for i, g in enumerate(GEMMS)}
 
 
 @dataclass(frozen=True)
@@ -194,14 +195,10 @@ def mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=N
 
 
 def _warn_oe_clamp(plan: LayerPlan, T: int, N: int, K: int) -> None:
-    outer = {  # size of the outer dim OE selects from, per (gemm, mode)
-        ("fprop", "iht+oe_left"): T, ("fprop", "iht+oe_right"): N,
-        ("dgrad", "iht+oe_left"): T, ("dgrad", "iht+oe_right"): K,
-        ("wgrad", "iht+oe_right"): K,
-    }
+    dims = {"T": T, "N": N, "K": K}
     for gemm in GEMMS:
         p = getattr(plan, gemm)
-        size = outer.get((gemm, p.mode))
+        size = oe_outer_size(gemm, p.mode, dims)  # the outer dim OE selects from
         if size is not None and p.oe_k >= size:
             warnings.warn(
                 f"AdaHOPLinear [{T}, {K}] -> [{T}, {N}]: {gemm} OE k={p.oe_k} >= the dim it selects from "
@@ -238,9 +235,9 @@ def forward_weight(weight: torch.Tensor, plan: LayerPlan, dtype: torch.dtype) ->
             return w
         if fp.mode == "mxfp4" and plan.dgrad_weight == "forward":
             return fake_quantize_mxfp4_tiles(w, block_size=fp.b.block_size, scale_mode=fp.b.scale_mode)
-        rows = plan.backend.select_outer(w, 0, fp.oe_k) if fp.mode == "iht+oe_right" else None
-        zeroed = w if rows is None else w.index_fill(0, rows, 0)
-        w_f = dequantize_mxfp4(quantize_operand(zeroed, 1, fp.b), keep_padding=True)
+        rows = plan.backend.select_outer(w, FPROP.b.outer_dim, fp.oe_k) if fp.mode == "iht+oe_right" else None
+        zeroed = w if rows is None else w.index_fill(FPROP.b.outer_dim, rows, 0)
+        w_f = dequantize_mxfp4(quantize_operand(zeroed, FPROP.b.dim, fp.b), keep_padding=True)
     if fp.b.hadamard_size is not None:
         signs = None
         if fp.b.signs_seed is not None:
@@ -291,7 +288,7 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_q
         y_TN = x_TK @ w_NK.t()
     else:
         y_TN = mxfp4_gemm(
-            fp, backend, x_TK, 1, w_NK, 1,
+            fp, backend, x_TK, FPROP.a.dim, w_NK, FPROP.b.dim,
             a_hp=lambda idx: x_TK if idx is None else x_TK[idx],
             b_hp=lambda: w_NK.t(),
             a_q=x_fprop,
@@ -306,8 +303,9 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_q
     x_q = cols_hp = cols_idx = None
     if plan.needs_backward and wg.quantized:
         if wg.mode == "iht+oe_right":  # OE on B = x's columns (input features)
-            cols_idx = backend.select_outer(x_TK, 1, wg.oe_k, norms=x_col_norms)
-        x_q = x_saved if x_saved is not None else backend.quantize_packed(x_TK, 0, wg.b, zero_outer=cols_idx)
+            cols_idx = backend.select_outer(x_TK, WGRAD.b.outer_dim, wg.oe_k, norms=x_col_norms)
+        x_q = x_saved if x_saved is not None else backend.quantize_packed(x_TK, WGRAD.b.dim, wg.b,
+                                                                          zero_outer=cols_idx)
         if cols_idx is not None:
             cols_hp = x_TK[:, cols_idx].contiguous()
     return y_TN, x_q, cols_hp, cols_idx
@@ -346,7 +344,7 @@ def backward_gemms(g_TN: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, *,
             dx_TK = g_TN @ w_NK
         else:
             dx_TK = mxfp4_gemm(
-                dg, backend, g_TN, 1, w_NK, 0,
+                dg, backend, g_TN, DGRAD.a.dim, w_NK, DGRAD.b.dim,
                 a_hp=lambda idx: g_TN if idx is None else g_TN[idx],
                 b_hp=lambda: w_NK,
                 a_q=g_dgrad,
@@ -369,7 +367,7 @@ def backward_gemms(g_TN: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, *,
             # accumulation is kept rather than rounded to bf16, and autograd has no cast
             # to make (0.18 ms at (14336, 4096) on the H200).
             dw_NK = mxfp4_gemm(
-                wg, backend, g_TN, 0, x_q, 0,
+                wg, backend, g_TN, WGRAD.a.dim, x_q, WGRAD.b.dim,
                 a_hp=lambda idx: g_TN.t(),
                 b_cols_hp=cols_hp, b_cols_idx=cols_idx,
                 a_q=g_wgrad,
@@ -450,7 +448,7 @@ def run_backward(g, weight, x, x_codes, x_scales, cols_hp, cols_idx, rng_state, 
     T, K = g.shape[0], weight.shape[1]
     x_q = None
     if plan.wgrad.quantized and needs_dw:
-        x_q = MXFP4Tensor(x_codes, x_scales, torch.Size((T, K)), 0, plan.wgrad.b.block_size)
+        x_q = MXFP4Tensor(x_codes, x_scales, torch.Size((T, K)), WGRAD.b.dim, plan.wgrad.b.block_size)
     has_cols = plan.wgrad.mode == "iht+oe_right"
     dx, dw = backward_gemms(g, weight, plan, needs_dx=needs_dx, needs_dw=needs_dw, x_TK=x, x_q=x_q,
                             cols_hp=cols_hp if has_cols else None, cols_idx=cols_idx if has_cols else None,
@@ -526,8 +524,8 @@ def quantize_input(x_TK: torch.Tensor, plan: LayerPlan) -> tuple:
     backend = plan.backend
     if a is not None and b is not None and _packs_both(backend):
         return backend.quantize_and_pack(x_TK, a, b, col_norms=col_norms)
-    return (None if a is None else backend.quantize(x_TK, 1, a),
-            None if b is None else backend.quantize_packed(x_TK, 0, b), None)
+    return (None if a is None else backend.quantize(x_TK, FPROP.a.dim, a),
+            None if b is None else backend.quantize_packed(x_TK, WGRAD.b.dim, b), None)
 
 
 GROUP_SEPARATOR = "\t"

@@ -47,8 +47,8 @@ from torch import nn
 
 from adahop.config import AdaHOPConfig
 from adahop.formats.rng import mix_seeds, mix_seeds_from
+from adahop.gemm_geometry import GEMM_INDEX
 from adahop.layer_ops import (  # noqa: F401  (GemmPlan, LayerPlan, make_gemm_plan, mxfp4_gemm: public here)
-    GEMM_INDEX,
     PLAIN_MODES,
     GemmPlan,
     LayerPlan,
