@@ -123,7 +123,7 @@ def on_cpu(monkeypatch):
     """The benchmark sections on the CPU at tiny sizes: operands on the CPU, hopper_fp8 for the
     layers' dispatch, one call of the timed function instead of do_bench (1.0 ms each), no CUDA
     check. Returns the list of the timed calls."""
-    import adahop.layer_ops
+    import adahop.layer.plan
     from adahop.ops import backends
     from adahop.ops.kernel_backends import HopperFP8Backend
 
@@ -144,7 +144,7 @@ def on_cpu(monkeypatch):
     def get_backend(name="auto", device=None):
         return hopper if name == "hopper_fp8" else real_get_backend(name, device)
 
-    monkeypatch.setattr(adahop.layer_ops, "get_backend", get_backend)
+    monkeypatch.setattr(adahop.layer.plan, "get_backend", get_backend)
     for name in ("bench_kernels", "bench_gemm", "bench_linear", "check_hopper"):
         mod = script(name)
         monkeypatch.setattr(mod, "bench", fake_bench, raising=False)

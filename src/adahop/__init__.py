@@ -2,7 +2,7 @@
 
 Layers, bottom to top: formats (MXFP4) -> transforms (Hadamard, the operand spec) -> patterns
 (detection, calibration) -> policy (strategy tables) -> config -> kernels (Triton) and ops (the
-dispatch: reference, triton, hopper_fp8, native_mx) -> layer_ops (the GEMMs as torch.library ops)
+dispatch: reference, triton, hopper_fp8, native_mx) -> layer (the plan, the GEMMs, the torch.library ops)
 -> linear (the module) -> convert, modes_io, hf -> train, analyze, cli.
 """
 
