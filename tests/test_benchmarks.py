@@ -125,7 +125,7 @@ def on_cpu(monkeypatch):
     check. Returns the list of the timed calls."""
     import adahop.layer.plan
     from adahop.ops import backends
-    from adahop.ops.kernel_backends import HopperFP8Backend
+    from adahop.ops.backends.hopper_fp8 import HopperFP8Backend
 
     common = script("common")
     timed = []

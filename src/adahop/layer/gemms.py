@@ -152,7 +152,7 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_q
     x_fprop = x_saved = x_col_norms = None
     if x_quantized is not None:
         x_fprop, x_saved, x_col_norms = x_quantized
-    elif fp.quantized and wg.quantized and plan.needs_backward and packs_both(backend):
+    elif fp.quantized and wg.quantized and plan.needs_backward and backend.has_quantize_and_pack:
         # x is A of fprop (along K) and B of wgrad (along T, packed, saved): one call
         # quantizes both orientations (one kernel from the same reads where that is faster),
         # and gives the column norms that wgrad's OE-right ranks.
@@ -188,10 +188,6 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_q
     return y_TN, x_q, cols_hp, cols_idx
 
 
-def packs_both(backend) -> bool:
-    return getattr(backend, "quantize_and_pack", None) is not None
-
-
 def backward_gemms(g_TN: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, *, needs_dx: bool, needs_dw: bool,
                    x_TK=None, x_q=None, cols_hp=None, cols_idx=None, dw_dtype: torch.dtype | None = None):
     """dgrad and wgrad. ``x_TK``: the activation (wgrad in bf16); ``x_q``, ``cols_hp``,
@@ -203,7 +199,7 @@ def backward_gemms(g_TN: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, *,
     dx_TK = dw_NK = None
     g_dgrad = g_wgrad = g_row_norms = None
     if (needs_dx and needs_dw and plan.dgrad.quantized and plan.wgrad.quantized
-            and getattr(backend, "quantize_both", None) is not None):
+            and backend.has_quantize_both):
         # g is A of both backward GEMMs (along N for dgrad, along T for wgrad): one kernel
         # quantizes both orientations from the same reads, and sums the row norms that
         # dgrad's OE-left ranks.

@@ -16,7 +16,7 @@ import functools
 import torch
 
 from adahop.gemm_geometry import FPROP, WGRAD
-from adahop.layer.gemms import forward_gemms, packs_both
+from adahop.layer.gemms import forward_gemms
 from adahop.layer.ops import empty_output, forward_fake
 from adahop.layer.plan import GemmPlan, LayerPlan, layer_plan, numerics_templates
 
@@ -50,7 +50,7 @@ def quantize_input(x_TK: torch.Tensor, plan: LayerPlan) -> tuple:
     written over the GEMM's output, whatever the quantized operand holds there."""
     a, b, col_norms = _input_specs(plan.fprop, plan.wgrad, plan.needs_backward)
     backend = plan.backend
-    if a is not None and b is not None and packs_both(backend):
+    if a is not None and b is not None and backend.has_quantize_and_pack:
         return backend.quantize_and_pack(x_TK, a, b, col_norms=col_norms)
     return (None if a is None else backend.quantize(x_TK, FPROP.a.dim, a),
             None if b is None else backend.quantize_packed(x_TK, WGRAD.b.dim, b), None)
