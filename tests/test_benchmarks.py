@@ -270,9 +270,17 @@ def test_bench_kernels_sections_on_cpu(on_cpu, tmp_path, monkeypatch):
 
 @needs_interpreter
 def test_bench_gemm_sections_on_cpu(on_cpu, tmp_path, monkeypatch):
+    from adahop.ops.backends.hopper_fp8 import HopperFP8Backend
+
     _, hopper = on_cpu
     bg = script("bench_gemm")
-    monkeypatch.setattr(bg, "hopper_backend", lambda: hopper)
+    made = []
+
+    def hopper_backend(**options):  # get_backend's: the shared instance, or one of its own per set of options
+        made.append(HopperFP8Backend(**options) if options else hopper)
+        return made[-1]
+
+    monkeypatch.setattr(bg, "hopper_backend", hopper_backend)
     monkeypatch.setattr(bg, "SQUARE", 64)
     monkeypatch.setattr(bg, "MX_SHAPES", [(64, 96, 64)])
     out = tmp_path / "gemm.jsonl"
@@ -281,7 +289,8 @@ def test_bench_gemm_sections_on_cpu(on_cpu, tmp_path, monkeypatch):
     assert [(r["section"], r["shape"]) for r in rows] == [("gemm", [64, 64, 64]), ("gemm", [64, 32, 64]),
                                                           ("mx", [64, 96, 64])]
     assert rows[2]["rel_err_vs_reference"] < 1e-6  # tl.dot_scaled's GEMM is the reference's
-    assert not hopper.use_fast_accum  # put back after its timing
+    # fast accumulation timed on an instance of its own (gemm section); the shared one stays accurate
+    assert [backend.use_fast_accum for backend in made] == [False, True, False] and not hopper.use_fast_accum
 
 
 @needs_interpreter

@@ -78,14 +78,20 @@ def _auto(device) -> str:
                      f"ranked: {tuple(e.name for e in ranked)}")
 
 
-_INSTANCES: dict = {}  # backend name -> instance; (name, device) -> the instance it resolved to
+# (backend name, options) -> instance; (name, device, options) -> the instance it resolved to
+_INSTANCES: dict = {}
 
 
-def get_backend(name: str = "auto", device: torch.device | str | None = None):
+def get_backend(name: str = "auto", device: torch.device | str | None = None, **options):
     """The backend called ``name`` for ``device``; ``"auto"`` picks the first of the ranked
     backends (``native_mx``, ``hopper_fp8``, ``reference``) that can run there. Each layer asks
-    once per forward, so a resolved (name, device) is remembered: the checks query the device."""
-    key = (name, str(_device(device)))
+    once per forward, so a resolved (name, device) is remembered: the checks query the device.
+
+    ``options``: settings of the instance, those its ``BackendEntry`` lists (``hopper_fp8``:
+    ``use_fast_accum``). Each distinct set of options has its own instance, fixed when made, so
+    that no caller changes the backend another one (the layers, which pass none) uses."""
+    opts = tuple(sorted(options.items()))
+    key = (name, str(_device(device)), opts)
     found = _INSTANCES.get(key)
     if found is not None:
         return found
@@ -93,9 +99,14 @@ def get_backend(name: str = "auto", device: torch.device | str | None = None):
     reason = unavailable_reason(resolved, device)
     if reason is not None:
         raise ValueError(reason)
-    if resolved not in _INSTANCES:
-        _INSTANCES[resolved] = _REGISTRY[resolved].factory()
-    _INSTANCES[key] = _INSTANCES[resolved]
+    entry = _REGISTRY[resolved]
+    for option in options:
+        if option not in entry.options:
+            raise ValueError(f"backend {resolved!r} takes no option {option!r}; "
+                             f"its options: {', '.join(entry.options) or 'none'}")
+    if (resolved, opts) not in _INSTANCES:
+        _INSTANCES[(resolved, opts)] = entry.factory(**options)
+    _INSTANCES[key] = _INSTANCES[(resolved, opts)]
     return _INSTANCES[key]
 
 

@@ -55,7 +55,17 @@ class HopperFP8Backend(Backend):
     rowwise_fp32_out = True  # row-wise scaled GEMMs may write float32 (set False where refused)
 
     def __init__(self, use_fast_accum: bool = False):
-        self.use_fast_accum = use_fast_accum
+        # use_fast_accum: _scaled_mm's fast accumulation, which the exactness argument (module doc)
+        # does not cover; for timing it only (benchmarks/bench_gemm.py). A setting of this instance,
+        # fixed when it is made: get_backend gives each set of options its own instance, so the
+        # one the layers use is never switched by another caller.
+        if not isinstance(use_fast_accum, bool):
+            raise ValueError(f"use_fast_accum must be True or False, got {use_fast_accum!r}")
+        self._use_fast_accum = use_fast_accum
+
+    @property
+    def use_fast_accum(self) -> bool:
+        return self._use_fast_accum
 
     def quantize(self, x, dim, spec: OperandSpec, zero_outer=None, cast_to=None) -> E4M3Operand:
         from adahop.kernels.quantize import quantize_operand_triton
@@ -152,4 +162,5 @@ def unavailable(device: torch.device) -> str | None:
     return None
 
 
-ENTRY = BackendEntry("hopper_fp8", unavailable=unavailable, factory=HopperFP8Backend, auto_rank=20)
+ENTRY = BackendEntry("hopper_fp8", unavailable=unavailable, factory=HopperFP8Backend, auto_rank=20,
+                     options=("use_fast_accum",))
