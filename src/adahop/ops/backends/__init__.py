@@ -2,7 +2,8 @@
 
 A backend is a module of this package: a ``protocol.Backend`` subclass (what a backend does:
 ``protocol``'s doc) and a ``protocol.BackendEntry`` (its name, why it cannot run on a device,
-how to make one, its place in ``auto``'s order), registered below, one line each:
+how to make one, the options an instance takes, its place in ``auto``'s order), registered below,
+one line each:
 
 * ``reference``: pure PyTorch, CPU and any GPU; the numerics every other backend reproduces;
 * ``triton``: the fused Triton quantize kernel + the reference GEMM; also under
@@ -15,8 +16,8 @@ how to make one, its place in ``auto``'s order), registered below, one line each
 
 ``auto`` picks ``native_mx`` on MX tensor cores, else ``hopper_fp8`` on FP8 tensor cores, else
 ``reference``. Asking for a backend that cannot run is an error naming why, never a silent
-fallback. Adding a backend (or a second format) is one new module here and one
-``register_backend`` line; ``register_backend`` also takes one from outside the package.
+fallback. Adding a backend (or a second format) is one new module here, imported and registered
+by one ``register_backend`` line below; ``register_backend`` also takes one from outside the package.
 """
 
 from __future__ import annotations
