@@ -168,7 +168,7 @@ def _is_marker(frames) -> bool:
 
 def site(frames: list[dict]) -> str:
     """Where a block was allocated, from its innermost frame (frames come innermost first): an
-    adahop or torch function (``adahop/layer_ops.py:forward_gemms``), code Inductor generated
+    adahop or torch function (``adahop/layer/gemms.py:forward_gemms``), code Inductor generated
     (``compiled forward``/``compiled backward``: a frame of the call's stack is a backward), else
     the file and function."""
     if not frames:

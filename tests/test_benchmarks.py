@@ -124,9 +124,9 @@ def on_cpu(monkeypatch):
     """The benchmark sections on the CPU at tiny sizes: operands on the CPU, hopper_fp8 for the
     layers' dispatch, one call of the timed function instead of do_bench (1.0 ms each), no CUDA
     check. Returns the list of the timed calls."""
-    import adahop.layer_ops
+    import adahop.layer.plan
     from adahop.ops import backends
-    from adahop.ops.kernel_backends import HopperFP8Backend
+    from adahop.ops.backends.hopper_fp8 import HopperFP8Backend
 
     common = script("common")
     timed = []
@@ -145,7 +145,7 @@ def on_cpu(monkeypatch):
     def get_backend(name="auto", device=None):
         return hopper if name == "hopper_fp8" else real_get_backend(name, device)
 
-    monkeypatch.setattr(adahop.layer_ops, "get_backend", get_backend)
+    monkeypatch.setattr(adahop.layer.plan, "get_backend", get_backend)
     for name in ("bench_kernels", "bench_gemm", "bench_linear", "check_hopper"):
         mod = script(name)
         monkeypatch.setattr(mod, "bench", fake_bench, raising=False)
@@ -271,9 +271,17 @@ def test_bench_kernels_sections_on_cpu(on_cpu, tmp_path, monkeypatch):
 
 @needs_interpreter
 def test_bench_gemm_sections_on_cpu(on_cpu, tmp_path, monkeypatch):
+    from adahop.ops.backends.hopper_fp8 import HopperFP8Backend
+
     _, hopper = on_cpu
     bg = script("bench_gemm")
-    monkeypatch.setattr(bg, "hopper_backend", lambda: hopper)
+    made = []
+
+    def hopper_backend(**options):  # get_backend's: the shared instance, or one of its own per set of options
+        made.append(HopperFP8Backend(**options) if options else hopper)
+        return made[-1]
+
+    monkeypatch.setattr(bg, "hopper_backend", hopper_backend)
     monkeypatch.setattr(bg, "SQUARE", 64)
     monkeypatch.setattr(bg, "MX_SHAPES", [(64, 96, 64)])
     out = tmp_path / "gemm.jsonl"
@@ -282,7 +290,8 @@ def test_bench_gemm_sections_on_cpu(on_cpu, tmp_path, monkeypatch):
     assert [(r["section"], r["shape"]) for r in rows] == [("gemm", [64, 64, 64]), ("gemm", [64, 32, 64]),
                                                           ("mx", [64, 96, 64])]
     assert rows[2]["rel_err_vs_reference"] < 1e-6  # tl.dot_scaled's GEMM is the reference's
-    assert not hopper.use_fast_accum  # put back after its timing
+    # fast accumulation timed on an instance of its own (gemm section); the shared one stays accurate
+    assert [backend.use_fast_accum for backend in made] == [False, True, False] and not hopper.use_fast_accum
 
 
 @needs_interpreter
@@ -657,7 +666,7 @@ def hand_made_snapshot():
     backward = {"filename": "/venv/torch/_tensor.py", "line": 5, "name": "backward"}
     events = [
         ("free_requested", 0x3000, 1024, []),
-        ("alloc", 0x4000, 4096, [adahop_frame("layer_ops.py", "forward_gemms"), trainer]),
+        ("alloc", 0x4000, 4096, [adahop_frame("layer/gemms.py", "forward_gemms"), trainer]),
         ("alloc", 0x5000, 8192, [inductor, trainer]),
         ("free_requested", 0x5000, 8192, []),
         ("free_completed", 0x5000, 8192, []),
@@ -713,7 +722,7 @@ def test_memory_profile_summarizes_the_peak_of_a_hand_made_snapshot():
     assert s["saved_by_dtype"] == {"bfloat16": 4096, "uint8": 512}
     assert s["saved_by_shape"][0] == ["bfloat16", [40, 50], 4096, 1]
     assert {name: b for name, b, _ in s["by_site"]} == {
-        "other: compiled backward (Inductor)": 16384, "saved_activation: adahop/layer_ops.py:forward_gemms": 4096,
+        "other: compiled backward (Inductor)": 16384, "saved_activation: adahop/layer/gemms.py:forward_gemms": 4096,
         "optimizer_state: (allocated before the recorded step)": 2048,
         "gradient: torch/autograd/graph.py:_engine_run_backward": 1024,
         "parameter: (allocated before the recorded step)": 1024,

@@ -1,11 +1,11 @@
 """adahop: LLM training with MXFP4 GEMMs at BF16 quality (AdaHOP, arXiv 2604.02525).
 
-Layers, bottom to top: formats (MXFP4) -> transforms (Hadamard, the operand spec) -> patterns
-(detection, calibration) -> policy (strategy tables) -> config -> kernels (Triton) and ops (the
-dispatch: reference, triton, hopper_fp8, native_mx) -> layer_ops (the GEMMs as torch.library ops)
--> linear (the module) -> convert, modes_io, hf, calibration (the ``Calibrator``), quantized_all_gather
-(FSDP2), oscillation -> schedule (BF16 phase and blocks) -> recipes (numerics + schedule,
-``adahop.recipe``) -> train, analyze, cli.
+Layers, bottom to top: formats (MXFP4) and gemm_geometry -> transforms (Hadamard, the operand
+spec) -> patterns (detection, calibration) -> policy (strategy tables) -> kernels (Triton) and ops
+(the dispatch: a registry of backends, reference, triton, hopper_fp8, native_mx) -> config -> layer
+(the plan, the GEMMs, the torch.library ops) -> linear (the module) -> convert, modes_io, hf,
+calibration (the ``Calibrator``), quantized_all_gather (FSDP2), oscillation -> schedule (BF16 phase
+and blocks) -> recipes (numerics + schedule, ``adahop.recipe``) -> train, analyze, cli.
 """
 
 from adahop.calibration import Calibrator
