@@ -1,14 +1,43 @@
 """Training speed per recipe: steady tokens/s, ms/step, time to the first step, peak memory and
-the first losses, with BF16 measured before and after the other recipes in the same call.
+the first losses, with BF16 measured before and after the other recipes in the same call, and
+torchao's float8 training as a peer.
 
     python benchmarks/bench_train_speed.py --corpus runs/corpus --preset h200_125m --model-size 1b \\
         --recipes adahop_lv2 --compile model --steps 30 60 --calibration-steps 10
+
+The 1B comparison with torchao's float8 (one H100 or H200, torchao 0.17.0 on torch 2.11; 64 x 512
+tokens per step, the preset's), in two calls of about 6 to 8 minutes each so that every ratio,
+to bf16 and to torchao tensorwise, is within one call:
+
+    python benchmarks/bench_train_speed.py --corpus runs/corpus --preset h200_125m --model-size 1b \\
+        --steps 32 38 --run-steps 39 --calibration-steps 10 --calibration-micro-batches 4 --memory-snapshot \\
+        --recipes torchao_float8_tensorwise torchao_float8_rowwise mxfp4
+    python benchmarks/bench_train_speed.py --corpus runs/corpus --preset h200_125m --model-size 1b \\
+        --steps 32 38 --run-steps 39 --calibration-steps 10 --calibration-micro-batches 4 --memory-snapshot \\
+        --recipes torchao_float8_tensorwise adahop_lv2 adahop_lv2_tail
+
+The timed steps are 33 to 38 and step 39's memory is recorded: --run-steps 39 begins
+adahop_lv2_tail's BF16 phase after step 31, so its row times the phase (the last 18% of adahop
+train's default run) and adahop_lv2's row the steps before it. Every run's learning rate is still
+warming up there (200 warm-up steps), as it would be at the preset's length.
 
 Each recipe trains through ``adahop.train.trainer.train`` (the same model, data and optimizer as
 ``adahop train``; compiled whole, by blocks or not at all, with --cudagraphs in CUDA graphs) in
 its own process, so that its peak memory and compile state are its own. The sequence is bf16, the
 --recipes, bf16: BF16's own speed drifts by a few percent over a call, so each ratio is given
-against both BF16 runs. Per run:
+against both BF16 runs. --recipes takes adahop train's recipes and the torchao peers:
+
+- ``torchao_float8_tensorwise``, ``torchao_float8_rowwise``: the bf16 run (recipe bf16: adahop
+  converts nothing) with its linears converted by ``torchao.float8.convert_to_float8_training``
+  (``Float8LinearConfig.from_recipe_name``) before ``train``: every linear adahop's conversion
+  would take (not the LM head; the size rule's --min-features as for adahop) whose dims are
+  multiples of 16. torchao is a dependency of this benchmark alone (``pip install torchao``),
+  imported only for these runs; its float8 GEMMs need a GPU of compute capability >= 8.9;
+- ``adahop_lv2_tail`` (adahop train's default): adahop_lv2 with the forward GEMM in BF16 from 82%
+  of the run's steps (--run-steps N: after floor(0.82 N) steps). The row says whether the measured
+  steps ran before the phase or in it; a phase that would begin among them is refused.
+
+Per run:
 
 - steady tokens/s and ms/step over the steps after P0 up to P1 (``--steps P0 P1``; the device
   synchronised at both edges, from the trainer's ``on_step`` hook), which must lie after the
@@ -22,16 +51,23 @@ against both BF16 runs. Per run:
   recorded, and the allocator counts none of it once the peak is reset, so it would read as the
   parameters and optimizer state alone);
 - the training loss of every step, each converted layer's modes and how many layers run each mode per GEMM;
-- with ``--share-input both``, each recipe twice: the layers that read one activation quantizing
-  it once (the library's default, ``AdaHOPConfig.share_input``), then each its own;
+- with ``--share-input both``, each adahop recipe twice: the layers that read one activation
+  quantizing it once (the library's default, ``AdaHOPConfig.share_input``), then each its own;
 - with ``--profile-steps N``: device time per step over N steps after P1 (CUDA kernels from
-  ``torch.profiler``; on the CPU, self CPU time per op), and the top kernels.
+  ``torch.profiler``; on the CPU, self CPU time per op), and the top kernels;
+- with ``--memory-snapshot`` (CUDA): the device memory of the next step, recorded with
+  ``torch.cuda.memory._record_memory_history``, at its peak by kind: parameters, gradients,
+  optimizer state, the tensors saved for the backward by dtype and shape, the rest by allocation
+  site (benchmarks/memory_profile.py), in the row and printed after the table;
+  --memory-pickle-dir keeps the snapshots.
 
-The run stops after P1 (+ N) steps (the hook raises ``StopTraining``: no checkpoint is
-written), whatever the preset's length (the learning rate schedule is the preset's). The
-trainer writes its log into a temporary folder (or --run-dir), removed after each run. Rows go to --out (JSONL, default
-runs/bench/bench_train_speed.jsonl), one per run with the environment; a Markdown table is
-printed last. On the CPU: ``--preset debug --model-size tiny --no-compile`` with a small corpus.
+The run stops after the last measured step (the hook raises ``StopTraining``: no checkpoint is
+written), whatever the run's length (the learning rate schedule is the preset's, or --run-steps
+long). The trainer writes its log into a temporary folder (or --run-dir), removed after each run.
+Rows go to --out (JSONL, default runs/bench/bench_train_speed.jsonl), one per run with the
+environment; a Markdown table is printed last: per run tokens/s against the first and the last
+bf16 run and the torchao tensorwise run, and peak memory against the first bf16 run's. On the
+CPU: ``--preset debug --model-size tiny --no-compile`` with a small corpus.
 """
 
 from __future__ import annotations
@@ -39,43 +75,129 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import uuid
 from pathlib import Path
 
 import torch
 from common import default_out, environment, print_environment, script_parser
-
-import adahop
+from memory_profile import StepMemory, markdown
 
 DEFAULT_RECIPES = ("adahop_lv2",)
+# Peers: the same model, data, optimizer, autocast and compilation as bf16, with its linears
+# converted by torchao's float8 training (``convert_to_float8_training``) in the named recipe
+PEERS = {"torchao_float8_tensorwise": "tensorwise", "torchao_float8_rowwise": "rowwise"}
 
 
 # ---- one run (in its own process) ---------------------------------------------------------------------------
-def run_config(args, recipe: str, run_dir):
-    """The TrainConfig of one run: the preset with this call's overrides, long enough to reach
-    P1 (+ profile) (the learning-rate schedule is the preset's, or over that many steps if the
-    preset is shorter). Raises ValueError for a request this machine cannot run."""
-    from adahop.train.recipes import preset
+def last_step(args) -> int:
+    """The last step a run trains: P1, the profiled steps, the memory-recorded step."""
+    return args.steps[1] + args.profile_steps + int(args.memory_snapshot)
 
-    cfg = preset(args.preset, recipe=recipe, model_size=args.model_size, calibration_steps=args.calibration_steps,
-                 calibration_micro_batches=args.calibration_micro_batches,
-                 batch_size=args.batch_size, seq_len=args.seq_len, device=args.device,
+
+def run_config(args, recipe: str, run_dir):
+    """The TrainConfig of one run: the preset with this call's overrides, --run-steps long or long
+    enough to reach the last measured step (the learning-rate schedule is the preset's, or over
+    that many steps if the preset is shorter); a torchao peer trains recipe bf16 (its float8 is
+    torchao's conversion, ``convert_peer``). Raises ValueError for a request this machine cannot
+    run, and for a BF16 phase (adahop_lv2_tail) that would begin inside the measured steps."""
+    from adahop.train.recipes import preset
+    from adahop.train.trainer import resolve_device
+
+    cfg = preset(args.preset, recipe="bf16" if recipe in PEERS else recipe, model_size=args.model_size,
+                 calibration_steps=args.calibration_steps, calibration_micro_batches=args.calibration_micro_batches,
+                 batch_size=args.batch_size, seq_len=args.seq_len, device=args.device, steps=args.run_steps,
                  out_dir=str(run_dir), corpus_dir=args.corpus, progress=False, compile=args.compile,
                  cudagraphs=args.cudagraphs, min_features=args.min_features,
                  eval_every=0, ckpt_every=0)
-    cfg = dataclasses.replace(cfg, steps=max(cfg.steps, args.steps[1] + args.profile_steps),
+    cfg = dataclasses.replace(cfg, steps=max(cfg.steps, last_step(args)),
                               adahop=cfg.adahop.replace(share_input=args.share_input != "off"))
     cfg.validate()  # a device this machine lacks, a backend it cannot run: one line
+    window_phase(cfg, recipe, args.steps[0], last_step(args))
+    if args.memory_snapshot:
+        require_memory_device(resolve_device(cfg.device))
     return cfg
 
 
+def require_memory_device(device: torch.device) -> None:
+    """--memory-snapshot records the CUDA caching allocator's history."""
+    if device.type != "cuda":
+        raise ValueError(f"--memory-snapshot records the CUDA allocator: it needs a CUDA device, this run's is "
+                         f"{device}")
+
+
+def window_phase(cfg, recipe: str, p0: int, last: int) -> str | None:
+    """Where the measured steps (after P0 up to ``last``) lie against the run's BF16 phase
+    (adahop_lv2_tail: the forward in BF16 from 82% of the steps): "before" it, "in" it (it began
+    at least one step before P0, so its recompilation is not timed), or None (no phase). A phase
+    beginning among them is a ValueError: the window would mix two step kinds."""
+    switch = None if cfg.adahop.recipe == "bf16" else cfg.schedule.switch_step(cfg.steps)
+    if switch is None:
+        return None
+    if switch >= last:
+        return "before"
+    if switch < p0:
+        return "in"
+    raise ValueError(f"{recipe}'s BF16 phase begins after step {switch} of the run's {cfg.steps}, inside the measured "
+                     f"steps {p0 + 1}..{last}: give --run-steps (the phase begins after floor("
+                     f"{cfg.bf16_phase_start} x run steps)) so that it begins before P0 = {p0}, or after step {last}")
+
+
+# ---- the torchao float8 peers ----------------------------------------------------------------------------------
+def torchao_float8():
+    """``(torchao.__version__, Float8LinearConfig, convert_to_float8_training)``; a ValueError
+    naming ``pip install torchao`` without it (a benchmark-only dependency, imported here only)."""
+    try:
+        import torchao
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise ValueError(f"the torchao float8 peers need torchao (pip install torchao): {e}") from None
+    return torchao.__version__, Float8LinearConfig, convert_to_float8_training
+
+
+def require_float8_device(device: torch.device) -> None:
+    """torchao's float8 GEMMs (torch._scaled_mm) need a CUDA GPU of compute capability >= 8.9."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        have = (f"capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))}"
+                if device.type == "cuda" else str(device))
+        raise ValueError(f"the torchao float8 peers need a CUDA GPU of compute capability >= 8.9 (Ada, Hopper or "
+                         f"later); this run's device is {have}")
+
+
+def float8_filter(keep):
+    """The linears torchao converts: those adahop's conversion would (``keep``: the LM head and
+    the size rule's small layers stay BF16) whose dims are multiples of 16 (torchao's float8
+    GEMMs need them)."""
+    def accept(mod: torch.nn.Module, fqn: str) -> bool:
+        return (isinstance(mod, torch.nn.Linear) and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+                and keep(mod, fqn))
+
+    return accept
+
+
+def convert_peer(model, recipe: str, cfg, device: torch.device) -> dict:
+    """Convert ``model`` (built as for bf16, still on the host) to torchao's float8 training with
+    the peer's recipe, before ``train``: the trainer then finds no AdaHOP layer and converts, with
+    recipe bf16, the linears torchao left (``F.linear``, as in the bf16 run). Returns the row's
+    fields."""
+    version, config_class, convert = torchao_float8()
+    require_float8_device(device)
+    accept = float8_filter(cfg.schedule.module_filter(model, cfg.min_features))
+    before = {fqn for fqn, m in model.named_modules() if type(m) is torch.nn.Linear}
+    convert(model, config=config_class.from_recipe_name(PEERS[recipe]), module_filter_fn=accept)
+    converted = sorted(before - {fqn for fqn, m in model.named_modules() if type(m) is torch.nn.Linear})
+    return {"torchao": version, "float8_recipe": PEERS[recipe], "float8_layers": len(converted)}
+
+
 def measure(args, recipe: str) -> dict:
-    """Train ``recipe`` for P1 (+ profile) steps and measure it (see the module docstring)."""
+    """Train ``recipe`` up to its last measured step and measure it (see the module docstring)."""
+    import adahop.train.trainer as trainer
     from adahop.data.corpus import load_corpus
     from adahop.ops.backends import get_backend
     from adahop.train.run import open_run
@@ -83,12 +205,15 @@ def measure(args, recipe: str) -> dict:
 
     p0, p1 = args.steps
     n_prof = args.profile_steps
+    memory_step = p1 + n_prof + 1 if args.memory_snapshot else None
     run_dir = Path(tempfile.mkdtemp(prefix=f"speed_{recipe}_", dir=args.run_dir))
+    make_optimizer = trainer.make_optimizer
     try:
         cfg = run_config(args, recipe, run_dir)
         device = resolve_device(cfg.device)
         corpus = load_corpus(cfg.corpus_dir)
         model, batches = open_run(cfg, corpus)
+        peer = convert_peer(model, recipe, cfg, device) if recipe in PEERS else {}
         cuda = device.type == "cuda"
 
         def sync():
@@ -121,9 +246,33 @@ def measure(args, recipe: str) -> dict:
                 sync()
                 state["prof"].stop()
                 state.update(profile_summary(state.pop("prof"), n_prof, cuda))
-            if step == p1 + n_prof:
+            if memory_step is not None and step in (memory_step - 1, memory_step) and "memory_error" not in state:
+                try:
+                    record_memory(step == memory_step)
+                except Exception as e:  # the run's speed is measured already: its row keeps it, with this error
+                    traceback.print_exc()
+                    state["memory_error"] = f"{type(e).__name__}: {e}"
+            if step == last_step(args):
                 raise StopTraining  # measured: no checkpoint (15 GB at 1B), no final evaluation
 
+        def record_memory(stop: bool):
+            """Start recording the memory of the next step, or stop and summarise it."""
+            if not stop:
+                state["memory"] = StepMemory(device)
+                state["memory"].start()
+                return
+            state["memory_profile"], snapshot = state.pop("memory").stop(model, state["optimizer"])
+            if args.memory_pickle_dir:
+                path = Path(args.memory_pickle_dir) / f"{recipe}_{uuid.uuid4().hex[:8]}.pickle"
+                with path.open("wb") as f:
+                    pickle.dump(snapshot, f)
+                state["memory_pickle"] = str(path)
+
+        def capture_optimizer(*a, **kw):  # the optimizer the trainer builds: its state is a kind of memory
+            state["optimizer"] = make_optimizer(*a, **kw)
+            return state["optimizer"]
+
+        trainer.make_optimizer = capture_optimizer
         state["t_start"] = time.perf_counter()
         summary = train(cfg, model=model, train_batches=batches, resume=False, on_step=on_step)
         if "window_s" not in state:
@@ -131,10 +280,12 @@ def measure(args, recipe: str) -> dict:
         tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
         s_per_step = state["window_s"] / (p1 - p0)
         row = {
-            "recipe": recipe, "preset": args.preset, "model_size": cfg.model_size, "compile": args.compile,
+            "recipe": recipe, **peer, "preset": args.preset, "model_size": cfg.model_size, "compile": args.compile,
             "cudagraphs": args.cudagraphs,
-            "device": str(device),  # where the MXFP4 GEMMs ran (bf16 runs none)
-            "backend": None if recipe == "bf16" else get_backend(cfg.adahop.backend, device).name,
+            "device": str(device),  # where the MXFP4 GEMMs ran (bf16 and the torchao peers run none)
+            "backend": None if cfg.adahop.recipe == "bf16" else get_backend(cfg.adahop.backend, device).name,
+            "run_steps": cfg.steps, "bf16_phase_start": cfg.bf16_phase_start,
+            "window_phase": window_phase(cfg, recipe, p0, last_step(args)),
             "batch_size": cfg.batch_size,
             "seq_len": cfg.seq_len, "grad_accum": cfg.grad_accum, "tokens_per_step": tokens_per_step,
             "calibration_steps": cfg.adahop.calibration_steps if cfg.adahop.adaptive else 0,
@@ -149,8 +300,12 @@ def measure(args, recipe: str) -> dict:
         row["modes"] = layer_modes(model)
         if n_prof:
             row.update(profile_steps=n_prof, **{k: state[k] for k in ("profiled", "device_ms_per_step", "top")})
+        if memory_step is not None:
+            row.update(memory_step=memory_step, memory_profile=state.get("memory_profile"),
+                       memory_pickle=state.get("memory_pickle"), memory_error=state.get("memory_error"))
         return row
     finally:
+        trainer.make_optimizer = make_optimizer
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -198,9 +353,10 @@ def profile_summary(prof, steps: int, cuda: bool) -> dict:
 # ---- the sequence of runs ----------------------------------------------------------------------------------
 def sequence(recipes: list[str], share_input: str = "on") -> list[tuple[str, str]]:
     """(recipe, --share-input) of each run: bf16, the other recipes in order (with ``both``, each
-    with x quantized once per group, then per layer), bf16."""
+    adahop recipe with x quantized once per group, then per layer; a torchao peer once), bf16."""
     shares = ("on", "off") if share_input == "both" else (share_input,)
-    return [("bf16", "off"), *[(r, s) for r in recipes if r != "bf16" for s in shares], ("bf16", "off")]
+    return [("bf16", "off"), *[(r, s) for r in recipes if r != "bf16" for s in (("off",) if r in PEERS else shares)],
+            ("bf16", "off")]
 
 
 def run_worker(argv: list[str], recipe: str, timeout: float | None) -> dict:
@@ -223,29 +379,48 @@ def ratio(a, b):
     return a / b if a and b else None
 
 
+def run_name(r: dict) -> str:
+    """A run's name in the table: the recipe, with x shared, the torchao version of a peer, the
+    BF16 phase's part the measured steps ran in."""
+    name = r["recipe"]
+    if r.get("torchao"):
+        name += f" (torchao {r['torchao']})"
+    elif r.get("share_input") and r["recipe"] != "bf16":
+        name += " (x shared)"
+    if r.get("window_phase") == "in":
+        name += ", in its BF16 phase"
+    elif r.get("window_phase") == "before":
+        name += ", before its BF16 phase"
+    return name
+
+
 def table(rows: list[dict]) -> str:
-    """Markdown: one line per run, ratios against the first and the last bf16 run."""
+    """Markdown: one line per run; tokens/s against the first and the last bf16 run and the
+    first torchao tensorwise peer, peak memory against the first bf16 run's."""
     ok = [r for r in rows if "error" not in r]
     bf16 = [r for r in ok if r["recipe"] == "bf16"]
+    tensorwise = [r for r in ok if r["recipe"] == "torchao_float8_tensorwise"]
     first = bf16[0]["steady_tokens_per_s"] if bf16 else None
     last = bf16[-1]["steady_tokens_per_s"] if len(bf16) > 1 else None
-    lines = ["| run | recipe | tokens/s | vs bf16 (first) | vs bf16 (last) | ms/step | first step | peak memory "
-             "| steady peak memory | device ms/step | loss at P1 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    peer = tensorwise[0]["steady_tokens_per_s"] if tensorwise else None
+    bf16_peak = bf16[0]["peak_memory_bytes"] if bf16 else None
+    head = ["run", "recipe", "tokens/s", "vs bf16 (first)", "vs bf16 (last)", "vs torchao tensorwise", "ms/step",
+            "first step", "peak memory", "steady peak memory", "peak vs bf16", "device ms/step", "loss at P1"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     gib = lambda v: "-" if v is None else f"{v / 2**30:.2f} GiB"  # noqa: E731
     for i, r in enumerate(rows, 1):
         if "error" in r:
-            lines.append(f"| {i} | {r['recipe']} | {r['error']} |" + " |" * 8)
+            lines.append(f"| {i} | {r['recipe']} | {r['error']} |" + " |" * (len(head) - 3))
             continue
         tps = r["steady_tokens_per_s"]
         p1 = r["window"][1]
         loss = r["losses"][p1 - 1] if len(r["losses"]) >= p1 else None
-        name = f"{r['recipe']} (x shared)" if r.get("share_input") and r["recipe"] != "bf16" else r["recipe"]
         lines.append(
-            f"| {i} | {name} | {tps:.0f} | {fmt(ratio(tps, first), '.3f')} | {fmt(ratio(tps, last), '.3f')} "
-            f"| {r['ms_per_step']:.1f} | {r['first_step_s']:.1f} s "
+            f"| {i} | {run_name(r)} | {tps:.0f} | {fmt(ratio(tps, first), '.3f')} | {fmt(ratio(tps, last), '.3f')} "
+            f"| {fmt(ratio(tps, peer), '.3f')} | {r['ms_per_step']:.1f} | {r['first_step_s']:.1f} s "
             f"| {gib(r['peak_memory_bytes'])} | {gib(r.get('steady_peak_memory_bytes'))} "
+            f"| {fmt(ratio(r['peak_memory_bytes'], bf16_peak), '.3f')} "
             f"| {fmt(r.get('device_ms_per_step'), '.1f')} | {fmt(loss, '.4f')} |")
     if first and last:
         lines.append(f"\nbf16 drift over the call: last / first = {last / first:.3f}")
@@ -255,12 +430,16 @@ def table(rows: list[dict]) -> str:
 # ---- command line ---------------------------------------------------------------------------------------------
 def parse_args(argv=None):
     from adahop.llama.model import SIZES
+    from adahop.recipes import RECIPE_NAMES
     from adahop.train.recipes import PRESETS
 
     p = script_parser(__doc__)
     g = p.add_argument_group("what")
-    g.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES), choices=list(adahop.RECIPES),
-                   help="recipes timed between the two bf16 runs (default: %(default)s)")
+    g.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES), choices=[*RECIPE_NAMES, *PEERS],
+                   help="recipes timed between the two bf16 runs: adahop's (adahop_lv2_tail: adahop train's default, "
+                        "see --run-steps) and the torchao float8 peers (torchao_float8_tensorwise, "
+                        "torchao_float8_rowwise: needs torchao and a GPU of compute capability >= 8.9) "
+                        "(default: %(default)s)")
     g.add_argument("--preset", default="h200_125m", choices=list(PRESETS),
                    help="training preset: batch, sequence length, optimizer, device (default: %(default)s)")
     g.add_argument("--model-size", default=None, choices=list(SIZES), help="model size (default: the preset's)")
@@ -290,8 +469,21 @@ def parse_args(argv=None):
                    help="as adahop train --calibration-micro-batches: the adaptive recipes' calibration steps run "
                         "as S micro-batches of batch/S sequences (for memory; the same calibration); a no-op for "
                         "the other recipes (default: %(default)s)")
+    g.add_argument("--run-steps", type=int, default=None, metavar="N",
+                   help="the runs' length: the learning-rate schedule's and where adahop_lv2_tail's BF16 phase "
+                        "begins (after floor(0.82 N) steps); the runs still stop after the last measured step "
+                        "(default: the preset's, or the last measured step if the preset is shorter: the phase "
+                        "then lies after the window)")
     g.add_argument("--profile-steps", type=int, default=0,
                    help="profile this many steps after P1 (device time per step, top kernels; default: 0, none)")
+    g.add_argument("--memory-snapshot", action="store_true",
+                   help="record the device memory of one step after P1 (and the profiled steps) with "
+                        "torch.cuda.memory._record_memory_history; its peak by kind (parameters, gradients, "
+                        "optimizer state, saved activations by dtype and shape, the rest by allocation site: "
+                        "benchmarks/memory_profile.py) goes into the row and is printed (CUDA only)")
+    g.add_argument("--memory-pickle-dir", default=None, metavar="DIR",
+                   help="with --memory-snapshot: also write each run's snapshot there as a pickle (hundreds of MB "
+                        "at 1B; for torch.cuda._memory_viz, or memory_profile.py to summarise again)")
     g.add_argument("--timeout", type=float, default=None,
                    help="seconds each run may take before it is stopped and recorded as an error (default: none)")
     g = p.add_argument_group("output")
@@ -316,6 +508,12 @@ def parse_args(argv=None):
                 f">= P0 = {p0}")
     if args.cudagraphs and args.compile != "model":
         p.error("--cudagraphs needs --compile model")
+    if args.run_steps is not None and args.run_steps < last_step(args):
+        p.error(f"--run-steps {args.run_steps} ends before the last measured step, {last_step(args)}")
+    if args.memory_snapshot and args.cudagraphs:
+        p.error("--memory-snapshot with --cudagraphs would see no step's allocations (a replay allocates nothing)")
+    if args.memory_pickle_dir and not args.memory_snapshot:
+        p.error("--memory-pickle-dir needs --memory-snapshot")
     if args.worker is not None and args.row_file is None:
         p.error("--worker needs --row-file")
     return args
@@ -339,9 +537,16 @@ def main(argv=None) -> int:
     try:  # refuse a request that cannot run here before starting any run
         from adahop.data.corpus import load_corpus
 
-        if args.run_dir:
-            Path(args.run_dir).mkdir(parents=True, exist_ok=True)
-        run_config(args, "bf16", args.run_dir or tempfile.gettempdir())
+        for folder in (args.run_dir, args.memory_pickle_dir):
+            if folder:
+                Path(folder).mkdir(parents=True, exist_ok=True)
+        for recipe in dict.fromkeys(r for r, _ in sequence(args.recipes, args.share_input)):
+            run_config(args, recipe, args.run_dir or tempfile.gettempdir())
+        if any(r in PEERS for r in args.recipes):
+            from adahop.train.trainer import resolve_device
+
+            print(f"torchao {torchao_float8()[0]}")
+            require_float8_device(resolve_device(run_config(args, "bf16", tempfile.gettempdir()).device))
         load_corpus(args.corpus, verify=False)
     except (ValueError, OSError) as e:
         print(f"bench_train_speed.py: {e}", file=sys.stderr)
@@ -363,6 +568,12 @@ def main(argv=None) -> int:
                   f"first step {row['first_step_s']:.1f} s, wall {row['wall_s']:.0f} s", flush=True)
     print(f"\nrows appended to {out} (call {call})\n")
     print(table(rows))
+    for i, r in enumerate(rows, 1):
+        if r.get("memory_error"):
+            print(f"\n{i}. {run_name(r)}: the memory snapshot failed: {r['memory_error']}")
+        if r.get("memory_profile"):
+            print("\n" + markdown(r["memory_profile"], title=f"{i}. {run_name(r)}: memory at the peak of step "
+                                                              f"{r['memory_step']}"))
     return 1 if any("error" in r for r in rows) else 0
 
 

@@ -50,10 +50,10 @@ def layer_on_backend(monkeypatch):
     bias) whose dispatch point returns ``backend``, forward on ``x`` and backward with ``g``;
     returns ``(y, dx, dw)``. For comparing backends layer to layer."""
     import adahop
-    import adahop.layer_ops
+    import adahop.layer.plan
 
     def run(backend, recipe, x, w, g, modes=None, oe_k=4):
-        monkeypatch.setattr(adahop.layer_ops, "get_backend", lambda name, device: backend)
+        monkeypatch.setattr(adahop.layer.plan, "get_backend", lambda name, device: backend)
         cfg = adahop.AdaHOPConfig.from_recipe_name(recipe).with_gemm_settings(oe_k=oe_k)
         lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device)
         lin.weight.data.copy_(w)

@@ -56,8 +56,8 @@ def test_every_script_is_listed():
     # a new script gets a smoke test here: in GPU_ONLY (refusal) or in a CPU run below
     assert set(SCRIPTS) == {"ablation", "activation_memory", "backend_agreement", "bench_gemm", "bench_kernels",
                             "bench_linear", "bench_train_speed", "check_compile", "check_hopper", "gpu_reference_check",
-                            "offline_compile", "pretrained_forward", "quant_error_study", "quantize_ceiling",
-                            "sass_count", "train_compare", "value_error"}
+                            "memory_profile", "offline_compile", "pretrained_forward", "quant_error_study",
+                            "quantize_ceiling", "sass_count", "train_compare", "value_error"}
     assert not (BENCH / "bench_hopper.py").exists()
 
 
@@ -124,9 +124,9 @@ def on_cpu(monkeypatch):
     """The benchmark sections on the CPU at tiny sizes: operands on the CPU, hopper_fp8 for the
     layers' dispatch, one call of the timed function instead of do_bench (1.0 ms each), no CUDA
     check. Returns the list of the timed calls."""
-    import adahop.layer_ops
+    import adahop.layer.plan
     from adahop.ops import backends
-    from adahop.ops.kernel_backends import HopperFP8Backend
+    from adahop.ops.backends.hopper_fp8 import HopperFP8Backend
 
     common = script("common")
     timed = []
@@ -145,7 +145,7 @@ def on_cpu(monkeypatch):
     def get_backend(name="auto", device=None):
         return hopper if name == "hopper_fp8" else real_get_backend(name, device)
 
-    monkeypatch.setattr(adahop.layer_ops, "get_backend", get_backend)
+    monkeypatch.setattr(adahop.layer.plan, "get_backend", get_backend)
     for name in ("bench_kernels", "bench_gemm", "bench_linear", "check_hopper"):
         mod = script(name)
         monkeypatch.setattr(mod, "bench", fake_bench, raising=False)
@@ -271,9 +271,17 @@ def test_bench_kernels_sections_on_cpu(on_cpu, tmp_path, monkeypatch):
 
 @needs_interpreter
 def test_bench_gemm_sections_on_cpu(on_cpu, tmp_path, monkeypatch):
+    from adahop.ops.backends.hopper_fp8 import HopperFP8Backend
+
     _, hopper = on_cpu
     bg = script("bench_gemm")
-    monkeypatch.setattr(bg, "hopper_backend", lambda: hopper)
+    made = []
+
+    def hopper_backend(**options):  # get_backend's: the shared instance, or one of its own per set of options
+        made.append(HopperFP8Backend(**options) if options else hopper)
+        return made[-1]
+
+    monkeypatch.setattr(bg, "hopper_backend", hopper_backend)
     monkeypatch.setattr(bg, "SQUARE", 64)
     monkeypatch.setattr(bg, "MX_SHAPES", [(64, 96, 64)])
     out = tmp_path / "gemm.jsonl"
@@ -282,7 +290,8 @@ def test_bench_gemm_sections_on_cpu(on_cpu, tmp_path, monkeypatch):
     assert [(r["section"], r["shape"]) for r in rows] == [("gemm", [64, 64, 64]), ("gemm", [64, 32, 64]),
                                                           ("mx", [64, 96, 64])]
     assert rows[2]["rel_err_vs_reference"] < 1e-6  # tl.dot_scaled's GEMM is the reference's
-    assert not hopper.use_fast_accum  # put back after its timing
+    # fast accumulation timed on an instance of its own (gemm section); the shared one stays accurate
+    assert [backend.use_fast_accum for backend in made] == [False, True, False] and not hopper.use_fast_accum
 
 
 @needs_interpreter
@@ -452,3 +461,436 @@ def test_quantize_ceiling_torch_form_is_the_librarys_bits():
         ref = quantize_operand_triton(y, 1, spec, packed=False, e4m3=True)
         assert torch.equal(e4.view(torch.uint8), ref["e4m3"].view(torch.uint8))
         assert torch.equal(rs, ref["row_scale"])
+
+
+# ---- the torchao float8 peers, adahop_lv2_tail, the memory profile ------------------------------------------------
+class FakeFloat8Linear(torch.nn.Linear):
+    """What the fake torchao's conversion swaps in: nn.Linear's own forward, the config kept."""
+
+
+def fake_torchao(monkeypatch, calls):
+    """A torchao whose ``convert_to_float8_training`` swaps each accepted Linear for a
+    FakeFloat8Linear (torchao's float8 needs a GPU of capability >= 8.9; the CPU tests the wiring)."""
+    import types
+
+    class Float8LinearConfig:
+        @classmethod
+        def from_recipe_name(cls, name):
+            return SimpleNamespace(recipe=name)
+
+    def convert_to_float8_training(model, *, config, module_filter_fn):
+        calls.append(config.recipe)
+        for fqn, mod in list(model.named_modules()):
+            for name, child in list(mod.named_children()):
+                child_fqn = f"{fqn}.{name}" if fqn else name
+                if type(child) is torch.nn.Linear and module_filter_fn(child, child_fqn):
+                    new = FakeFloat8Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                    new.weight, new.bias = child.weight, child.bias
+                    setattr(mod, name, new)
+        return model
+
+    torchao = types.ModuleType("torchao")
+    torchao.__version__ = "0.17.0-fake"
+    float8 = types.ModuleType("torchao.float8")
+    float8.Float8LinearConfig = Float8LinearConfig
+    float8.convert_to_float8_training = convert_to_float8_training
+    torchao.float8 = float8
+    monkeypatch.setitem(sys.modules, "torchao", torchao)
+    monkeypatch.setitem(sys.modules, "torchao.float8", float8)
+
+
+def test_bench_train_speed_peers_are_refused_without_torchao_or_a_float8_gpu(corpus, tmp_path, monkeypatch, capsys):
+    ts = script("bench_train_speed")
+    out = tmp_path / "rows.jsonl"
+    argv = [*SPEED, "--corpus", str(corpus), "--recipes", "torchao_float8_tensorwise", "--out", str(out)]
+    monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao raises ImportError
+    assert ts.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install torchao" in err[0], err
+    if not torch.cuda.is_available():
+        fake_torchao(monkeypatch, [])
+        assert ts.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "compute capability >= 8.9" in err[0], err
+    assert not out.exists()
+
+
+def test_bench_train_speed_float8_filter_keeps_the_lm_head_and_odd_dims_bf16():
+    ts = script("bench_train_speed")
+    from adahop.llama.model import Llama, LlamaConfig
+    from adahop.schedule import block_filter
+
+    model = Llama(LlamaConfig.from_size("tiny", vocab_size=96, max_seq_len=32))
+    model.layers[0].feed_forward.w2 = torch.nn.Linear(200, 64, bias=False)  # 200: not a multiple of 16
+    accept = ts.float8_filter(block_filter(model, (0, 0)))
+    linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    kept = {fqn for fqn, m in linears.items() if not accept(m, fqn)}
+    head = [fqn for fqn, m in linears.items() if m.weight is model.tok_embeddings.weight]
+    assert head and kept == {*head, "layers.0.feed_forward.w2"}
+    assert not accept(model.norm, "norm")  # only linears
+    # --bf16-blocks and the size rule, as adahop's conversion has them
+    assert not ts.float8_filter(block_filter(model, (1, 0)))(linears["layers.0.attention.wq"],
+                                                                   "layers.0.attention.wq")
+
+
+def test_bench_train_speed_worker_runs_a_peer_through_the_trainer(corpus, tmp_path, monkeypatch):
+    """A peer: the bf16 run's model converted by torchao before ``train``, adahop's conversion
+    left with nothing to do (recipe bf16, no AdaHOP layer), the row naming torchao's version."""
+    ts = script("bench_train_speed")
+    calls = []
+    fake_torchao(monkeypatch, calls)
+    monkeypatch.setattr(ts, "require_float8_device", lambda device: None)
+    row_file = tmp_path / "row.json"
+    assert ts.main([*SPEED, "--corpus", str(corpus), "--worker", "torchao_float8_rowwise",
+                    "--row-file", str(row_file)]) == 0
+    row = json.loads(row_file.read_text())
+    assert calls == ["rowwise"]
+    assert row["recipe"] == "torchao_float8_rowwise" and row["torchao"] == "0.17.0-fake"
+    assert row["float8_recipe"] == "rowwise" and row["float8_layers"] == 14  # 2 blocks x 7 linears; not the head
+    assert row["backend"] is None and row["mode_counts"] == {"fprop": {}, "dgrad": {}, "wgrad": {}}
+    assert len(row["losses"]) == 4 and all(math.isfinite(v) for v in row["losses"])
+
+
+def test_bench_train_speed_sequence_and_table_with_peers():
+    ts = script("bench_train_speed")
+    args = ts.parse_args(["--recipes", "torchao_float8_tensorwise", "torchao_float8_rowwise", "mxfp4",
+                          "adahop_lv2_tail", "--share-input", "both"])
+    assert ts.sequence(args.recipes, args.share_input) == [
+        ("bf16", "off"), ("torchao_float8_tensorwise", "off"), ("torchao_float8_rowwise", "off"), ("mxfp4", "on"),
+        ("mxfp4", "off"), ("adahop_lv2_tail", "on"), ("adahop_lv2_tail", "off"), ("bf16", "off")]
+
+    def row(recipe, tps, peak_gib, **kw):
+        return {"recipe": recipe, "steady_tokens_per_s": tps, "ms_per_step": 1.0, "first_step_s": 1.0,
+                "peak_memory_bytes": peak_gib * 2**30, "window": [2, 4], "losses": [1.0] * 4, **kw}
+
+    text = ts.table([row("bf16", 1000, 60), row("torchao_float8_tensorwise", 1250, 44.4, torchao="0.17.0"),
+                     row("torchao_float8_rowwise", 960, 44.4, torchao="0.17.0"),
+                     row("adahop_lv2", 990, 52.5, share_input=True),
+                     row("adahop_lv2_tail", 1100, 54, share_input=True, window_phase="in"), row("bf16", 1000, 60)])
+    assert "| vs bf16 (first) | vs bf16 (last) | vs torchao tensorwise |" in text
+    assert "| peak memory | steady peak memory | peak vs bf16 |" in text
+    lines = text.splitlines()
+    assert lines[3].startswith("| 2 | torchao_float8_tensorwise (torchao 0.17.0) | 1250 | 1.250 | 1.250 | 1.000 |")
+    assert "| 44.40 GiB | - | 0.740 |" in lines[3]
+    assert lines[5].startswith("| 4 | adahop_lv2 (x shared) | 990 | 0.990 | 0.990 | 0.792 |")
+    assert "| 0.875 |" in lines[5]
+    assert lines[6].startswith("| 5 | adahop_lv2_tail (x shared), in its BF16 phase | 1100 |")
+    assert all(line.count("|") == 14 for line in lines[:8])
+
+
+def test_bench_train_speed_times_adahop_lv2_tail_before_or_in_its_phase(corpus, tmp_path, capsys):
+    """adahop train's default recipe: measured before its BF16 phase (the preset's length), or
+    in it (--run-steps puts the phase's first step before P0); a phase that would begin among
+    the measured steps is refused before any run."""
+    ts = script("bench_train_speed")
+    i = SPEED.index("--steps")
+    base = SPEED[:i] + SPEED[i + 3:]
+    row_file = tmp_path / "row.json"
+    assert ts.main([*SPEED, "--corpus", str(corpus), "--worker", "adahop_lv2_tail", "--row-file", str(row_file)]) == 0
+    row = json.loads(row_file.read_text())
+    assert row["run_steps"] == 20 and row["bf16_phase_start"] == 0.82 and row["window_phase"] == "before"
+    assert "bf16" not in row["mode_counts"]["fprop"]
+    # 6 steps: the phase after floor(0.82 * 6) = 4 steps, the timed steps 6..6 after P0 = 5
+    assert ts.main([*base, "--steps", "5", "6", "--run-steps", "6", "--corpus", str(corpus), "--worker",
+                    "adahop_lv2_tail", "--row-file", str(row_file)]) == 0
+    row = json.loads(row_file.read_text())
+    assert row["run_steps"] == 6 and row["window_phase"] == "in" and len(row["losses"]) == 6
+    assert row["mode_counts"]["fprop"] == {"bf16": 14}  # the forward in BF16: the phase ran
+    assert row["mode_counts"]["wgrad"] != {"bf16": 14}
+    out = tmp_path / "rows.jsonl"
+    assert ts.main([*base, "--steps", "3", "5", "--run-steps", "5", "--corpus", str(corpus), "--recipes",
+                    "adahop_lv2_tail", "--out", str(out)]) == 2  # the phase after step 4: inside 4..5
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "inside the measured steps 4..5" in err[0], err
+    assert not out.exists()
+    with pytest.raises(SystemExit):
+        ts.parse_args([*SPEED, "--run-steps", "3"])  # ends before P1 = 4
+
+
+def test_bench_train_speed_memory_snapshot_needs_cuda(corpus, tmp_path, capsys):
+    ts = script("bench_train_speed")
+    if not torch.cuda.is_available():
+        assert ts.main([*SPEED, "--corpus", str(corpus), "--memory-snapshot", "--out", str(tmp_path / "r")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--memory-snapshot records the CUDA allocator" in err[0], err
+    for argv in (["--memory-snapshot", "--cudagraphs"], ["--memory-pickle-dir", str(tmp_path)]):
+        with pytest.raises(SystemExit) as e:
+            ts.parse_args(argv)
+        assert e.value.code == 2
+
+
+def test_bench_train_speed_worker_records_the_step_after_p1(corpus, tmp_path, monkeypatch):
+    """--memory-snapshot: recording starts after P1 and stops one step later, with the
+    optimizer the trainer built (its state is a kind); the summary goes into the row. (The
+    recorder itself needs CUDA: a stand-in here.)"""
+    ts = script("bench_train_speed")
+    mp = script("memory_profile")
+    events = []
+
+    class FakeStepMemory:
+        def __init__(self, device):
+            self.device = device
+
+        def start(self):
+            events.append("start")
+
+        def stop(self, model, optimizer):
+            kinds = collections.Counter(t["kind"] for t in mp.end_of_step_tensors(model, optimizer))
+            events.append("stop")
+            return {"kinds": dict(kinds)}, {"segments": []}
+
+    monkeypatch.setattr(ts, "require_memory_device", lambda device: None)
+    monkeypatch.setattr(ts, "StepMemory", FakeStepMemory)
+    row_file = tmp_path / "row.json"
+    assert ts.main([*SPEED, "--corpus", str(corpus), "--worker", "bf16", "--memory-snapshot", "--memory-pickle-dir",
+                    str(tmp_path), "--row-file", str(row_file)]) == 0
+    row = json.loads(row_file.read_text())
+    assert events == ["start", "stop"] and row["memory_step"] == 5 and len(row["losses"]) == 5
+    n_params = row["memory_profile"]["kinds"]["parameter"]
+    assert n_params == 2 * 9 + 2  # per block 7 linears and 2 norms; the embedding (the head's too), the last norm
+    assert row["memory_profile"]["kinds"] == {"parameter": n_params, "gradient": n_params,
+                                              "optimizer_state": 3 * n_params}  # AdamW: step, exp_avg, exp_avg_sq
+    assert Path(row["memory_pickle"]).parent == tmp_path and Path(row["memory_pickle"]).exists()
+
+
+def hand_made_snapshot():
+    """A snapshot in torch.cuda.memory._snapshot()'s format (segments and blocks at the end,
+    device_traces with frames innermost first) of one step: a parameter and optimizer state
+    alive throughout, last step's gradient freed first (zero_grad), the forward saving a bf16 x
+    and uint8 codes beside a temporary, the backward marker, the gradient allocated at the old
+    one's address, the backward's buffer (the peak), the saved tensors freed."""
+    mp = script("memory_profile")
+    adahop_frame = lambda f, n: {"filename": f"/root/repo/src/adahop/{f}", "line": 1, "name": n}  # noqa: E731
+    inductor = {"filename": "/tmp/torchinductor_root/ab/cabc.py", "line": 9, "name": "call"}
+    trainer = adahop_frame("train/trainer.py", "_train")
+    backward = {"filename": "/venv/torch/_tensor.py", "line": 5, "name": "backward"}
+    events = [
+        ("free_requested", 0x3000, 1024, []),
+        ("alloc", 0x4000, 4096, [adahop_frame("layer/gemms.py", "forward_gemms"), trainer]),
+        ("alloc", 0x5000, 8192, [inductor, trainer]),
+        ("free_requested", 0x5000, 8192, []),
+        ("free_completed", 0x5000, 8192, []),
+        ("alloc", 0x6000, 512, [adahop_frame("kernels/quantize.py", "quantize_both"), inductor, trainer]),
+        ("alloc", 0x7000, 512, [{"filename": "/root/repo/benchmarks/memory_profile.py", "line": 3,
+                                 "name": mp.MARKER}, trainer]),
+        ("free_requested", 0x7000, 512, []),
+        ("alloc", 0x3000, 1024, [{"filename": "/venv/torch/autograd/graph.py", "line": 2,
+                                  "name": "_engine_run_backward"}, backward, trainer]),
+        ("alloc", 0x8000, 16384, [inductor, {"filename": "/venv/torch/_functorch/x.py", "line": 1,
+                                             "name": "backward"}, backward, trainer]),
+        ("segment_alloc", 0x10000, 2**20, []),
+        ("free_requested", 0x8000, 16384, []),
+        ("free_requested", 0x4000, 4096, []),
+        ("free_requested", 0x6000, 512, []),
+    ]
+    trace = [{"action": a, "addr": addr, "size": size, "stream": 0, "frames": frames}
+             for a, addr, size, frames in events]
+    block = lambda addr, size, state: {"address": addr, "size": size, "requested_size": size,  # noqa: E731
+                                       "state": state, "frames": []}
+    segments = [{"device": 0, "address": 0x1000, "total_size": 0x8000, "stream": 0, "segment_type": "large",
+                 "allocated_size": 4096, "active_size": 4096,
+                 "blocks": [block(0x1000, 1024, "active_allocated"), block(0x1400, 0xc00, "inactive"),
+                            block(0x2000, 2048, "active_allocated"), block(0x2800, 0x800, "inactive"),
+                            block(0x3000, 1024, "active_allocated"), block(0x3400, 0x5c00, "inactive")]},
+                {"device": 1, "address": 0x90000, "total_size": 4096, "blocks": [block(0x90000, 4096,
+                                                                                       "active_allocated")]}]
+    tensors = [
+        {"address": 0x1000, "bytes": 1024, "kind": "parameter", "dtype": "float32", "shape": [16, 16], "at": "end"},
+        {"address": 0x3000, "bytes": 1024, "kind": "gradient", "dtype": "float32", "shape": [16, 16], "at": "end"},
+        {"address": 0x2000, "bytes": 2048, "kind": "optimizer_state", "dtype": "float32", "shape": [2, 16, 16],
+         "at": "end"},
+        {"address": 0x4000, "bytes": 4000, "kind": "saved_activation", "dtype": "bfloat16", "shape": [40, 50],
+         "at": "backward"},
+        {"address": 0x6000, "bytes": 400, "kind": "saved_activation", "dtype": "uint8", "shape": [20, 20],
+         "at": "backward"},
+        # the weight saved for the backward is the parameter
+        {"address": 0x1000, "bytes": 1024, "kind": "saved_activation", "dtype": "float32", "shape": [16, 16],
+         "at": "backward"},
+    ]
+    return {"segments": segments, "device_traces": [trace, []]}, tensors
+
+
+def test_memory_profile_summarizes_the_peak_of_a_hand_made_snapshot():
+    mp = script("memory_profile")
+    snapshot, tensors = hand_made_snapshot()
+    s = mp.summarize(snapshot, tensors)
+    # alive before: 1024 + 2048 + 1024 (the old gradient); the peak after the backward's buffer
+    assert s["peak_bytes"] == 1024 + 2048 + 4096 + 512 + 1024 + 16384 and s["peak_in"] == "backward"
+    assert s["backward_start_bytes"] == 1024 + 2048 + 4096 + 512
+    assert s["by_kind"] == {"parameter": 1024, "gradient": 1024, "optimizer_state": 2048, "saved_activation": 4608,
+                            "other": 16384}
+    assert s["saved_by_dtype"] == {"bfloat16": 4096, "uint8": 512}
+    assert s["saved_by_shape"][0] == ["bfloat16", [40, 50], 4096, 1]
+    assert {name: b for name, b, _ in s["by_site"]} == {
+        "other: compiled backward (Inductor)": 16384, "saved_activation: adahop/layer/gemms.py:forward_gemms": 4096,
+        "optimizer_state: (allocated before the recorded step)": 2048,
+        "gradient: torch/autograd/graph.py:_engine_run_backward": 1024,
+        "parameter: (allocated before the recorded step)": 1024,
+        "saved_activation: adahop/kernels/quantize.py:quantize_both": 512}
+    # without the tensors every block is "other"
+    bare = mp.summarize(snapshot)
+    assert bare["peak_bytes"] == s["peak_bytes"] and bare["by_kind"]["other"] == s["peak_bytes"]
+    assert mp.summarize(snapshot, device=1)["peak_bytes"] == 4096  # alive all through, no trace
+    text = mp.markdown(s)
+    assert "| saved_activation | 0.00 GiB | 18.4% |" in text and "| uint8 |" in text
+
+
+def test_memory_profile_command_line(tmp_path, capsys):
+    import pickle
+
+    mp = script("memory_profile")
+    snapshot, tensors = hand_made_snapshot()
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps({**snapshot, "memory_profile_tensors": tensors}))
+    assert mp.main([str(path), "--out", str(tmp_path / "s.json")]) == 0
+    assert json.loads((tmp_path / "s.json").read_text()) == json.loads(json.dumps(mp.summarize(snapshot, tensors)))
+    assert "| optimizer_state |" in capsys.readouterr().out
+    (tmp_path / "t.json").write_text("[]")
+    assert mp.main([str(path), "--tensors", str(tmp_path / "t.json"), "--out", str(tmp_path / "s.json")]) == 0
+    assert json.loads((tmp_path / "s.json").read_text())["by_kind"]["other"] == 25088
+    capsys.readouterr()
+    (tmp_path / "bad.pickle").write_bytes(pickle.dumps([1, 2]))
+    for bad in (tmp_path / "bad.pickle", tmp_path / "none.pickle"):
+        assert mp.main([str(bad)]) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_memory_profile_lists_what_the_autograd_graph_saves():
+    """The saved tensors of a loss's graph, walked before its backward: an AdaHOP layer's packed
+    codes (uint8) beside the bf16 input autocast saves for nn.Linear, each storage once."""
+    import adahop
+
+    mp = script("memory_profile")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    adahop.convert_to_adahop_training(model, config=adahop.AdaHOPConfig.from_recipe_name("mxfp4"),
+                                      module_filter_fn=lambda mod, fqn: fqn == "0")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(torch.randn(32, 64))
+    loss = torch.nn.functional.cross_entropy(logits.float(), torch.zeros(32, dtype=torch.long))
+    saved = mp.saved_tensors(loss)
+    assert all(t["kind"] == "saved_activation" and t["at"] == "backward" for t in saved)
+    assert len({t["address"] for t in saved}) == len(saved)
+    by = collections.defaultdict(set)
+    for t in saved:
+        by[t["dtype"]].add(tuple(t["shape"]))
+    assert (32, 64) in by["bfloat16"]  # the second linear's input (the ReLU's output), saved once
+    assert by["uint8"]  # the converted layer's packed operands
+    assert any(t["address"] == model[0].weight.untyped_storage().data_ptr() for t in saved)
+    loss.backward()
+
+
+def test_bench_train_speed_worker_runs_torchao_itself_where_installed(corpus, tmp_path, monkeypatch):
+    """The real torchao's API as the peers call it (its float8 training runs on the CPU too, through
+    torch._scaled_mm; the GPU check is what the CPU lacks). CI has no torchao: the fake above
+    tests the wiring there."""
+    pytest.importorskip("torchao.float8")
+    ts = script("bench_train_speed")
+    monkeypatch.setattr(ts, "require_float8_device", lambda device: None)
+    row_file = tmp_path / "row.json"
+    assert ts.main([*SPEED, "--corpus", str(corpus), "--worker", "torchao_float8_tensorwise",
+                    "--row-file", str(row_file)]) == 0
+    row = json.loads(row_file.read_text())
+    import torchao
+
+    assert row["torchao"] == torchao.__version__ and row["float8_layers"] == 14
+    assert all(math.isfinite(v) for v in row["losses"])
+
+
+@pytest.mark.parametrize("fails_in", ["start", "stop"])
+def test_bench_train_speed_keeps_the_speed_when_the_memory_snapshot_fails(fails_in, corpus, tmp_path, monkeypatch,
+                                                                          capsys):
+    ts = script("bench_train_speed")
+
+    class BrokenStepMemory:
+        def __init__(self, device):
+            pass
+
+        def start(self):
+            if fails_in == "start":
+                raise RuntimeError("no history")
+
+        def stop(self, model, optimizer):
+            raise RuntimeError("no history")
+
+    monkeypatch.setattr(ts, "require_memory_device", lambda device: None)
+    monkeypatch.setattr(ts, "StepMemory", BrokenStepMemory)
+    row_file = tmp_path / "row.json"
+    assert ts.main([*SPEED, "--corpus", str(corpus), "--worker", "bf16", "--memory-snapshot",
+                    "--row-file", str(row_file)]) == 0
+    row = json.loads(row_file.read_text())
+    assert row["memory_error"] == "RuntimeError: no history" and row["memory_profile"] is None
+    assert row["steady_tokens_per_s"] > 0
+    assert "RuntimeError: no history" in capsys.readouterr().err
+
+
+def test_bench_train_speed_docstring_1b_commands_time_the_tail_in_its_phase():
+    """The 1B comparison the docstring gives parses, and times adahop_lv2_tail in its BF16 phase
+    (the config as run_config makes it, less the device check: the CPU has no 1B GPU run)."""
+    import dataclasses
+    import shlex
+
+    from adahop.train.recipes import preset
+
+    ts = script("bench_train_speed")
+    text = ts.__doc__.replace("\\\n", " ")
+    commands = [shlex.split(line.strip())[2:] for line in text.splitlines()
+                if line.strip().startswith("python benchmarks/bench_train_speed.py") and "torchao_float8" in line]
+    assert len(commands) == 2
+    recipes = set()
+    for argv in commands:
+        args = ts.parse_args(argv)
+        assert args.model_size == "1b" and args.memory_snapshot and args.compile == "model" and not args.cudagraphs
+        recipes |= set(args.recipes)
+        for recipe in args.recipes:
+            cfg = preset(args.preset, recipe="bf16" if recipe in ts.PEERS else recipe, model_size=args.model_size,
+                         calibration_steps=args.calibration_steps, steps=args.run_steps)
+            cfg = dataclasses.replace(cfg, steps=max(cfg.steps, ts.last_step(args)))
+            assert cfg.batch_size * cfg.seq_len == 64 * 512
+            phase = ts.window_phase(cfg, recipe, args.steps[0], ts.last_step(args))
+            assert phase == ("in" if recipe == "adahop_lv2_tail" else None)
+    assert recipes == {"torchao_float8_tensorwise", "torchao_float8_rowwise", "mxfp4", "adahop_lv2", "adahop_lv2_tail"}
+
+
+def test_memory_profile_lists_the_plain_tensors_inside_a_saved_subclass():
+    """A saved tensor subclass that wraps others (torchao's float8 tensors, run eagerly) counts
+    as the tensors that hold its memory."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    mp = script("memory_profile")
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    w = torch.randn(4, 4, requires_grad=True)
+    loss = (TwoTensor(a, b).requires_grad_() @ w).sum()
+    addresses = {t["address"] for t in mp.saved_tensors(loss)}
+    assert {a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()} <= addresses
+
+
+def test_memory_profile_step_memory_with_the_cuda_calls_stood_in(monkeypatch):
+    """StepMemory on the CPU, with torch.cuda's recording calls replaced: the loss's saved tensors
+    are listed when the trainer's cross_entropy returns it, cross_entropy is put back, the
+    recording is switched off, the summary carries the measured peak and the snapshot the tensors."""
+    mp = script("memory_profile")
+    calls = []
+    snapshot, _ = hand_made_snapshot()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 12345)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda enabled, **kw: calls.append(("record", enabled, kw.get("stacks"))))
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda device=None: snapshot)
+    real = torch.nn.functional.cross_entropy
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    recorder = mp.StepMemory(torch.device("cpu"))
+    recorder.start()
+    assert torch.nn.functional.cross_entropy is not real
+    loss = torch.nn.functional.cross_entropy(model(torch.randn(3, 8)), torch.tensor([0, 1, 2]))
+    loss.backward()
+    opt.step()
+    summary, snap = recorder.stop(model, opt)
+    assert torch.nn.functional.cross_entropy is real
+    assert calls == ["reset", ("record", "all", "python"), ("record", None, None)]
+    assert summary["measured_peak_bytes"] == 12345 and summary["peak_bytes"] == 25088
+    kinds = collections.Counter(t["kind"] for t in snap["memory_profile_tensors"])
+    assert kinds["parameter"] == 2 and kinds["gradient"] == 2 and kinds["optimizer_state"] == 6
+    assert kinds["saved_activation"] >= 1  # the linear's input, the loss's log-softmax

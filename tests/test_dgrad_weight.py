@@ -8,7 +8,7 @@ import torch
 
 import adahop
 from adahop.formats.mxfp4 import fake_quantize_mxfp4, fake_quantize_mxfp4_tiles
-from adahop.layer_ops import forward_gemms, forward_weight, mxfp4_gemm
+from adahop.layer.gemms import forward_gemms, forward_weight, mxfp4_gemm
 from adahop.ops.backends import ReferenceBackend
 from adahop.ops.operand import quantize_operand
 from adahop.transforms.hadamard import block_hadamard

@@ -389,7 +389,7 @@ def test_hopper_mm_nt_float32_output_and_its_fallback(monkeypatch):
     refuses a float32 output with row-wise scales it applies the scales after a unit-scale GEMM
     (the same values), remembers that, and any other error is raised. ``torch._scaled_mm`` is
     emulated here (the CPU has no FP8 GEMM of this form)."""
-    from adahop.ops.kernel_backends import HopperFP8Backend
+    from adahop.ops.backends.hopper_fp8 import HopperFP8Backend
 
     calls = []
 

@@ -14,7 +14,7 @@ from adahop.formats.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 from adahop.kernels.mx_gemm import mxfp4_gemm_nt  # noqa: E402
 from adahop.ops import backends  # noqa: E402
 from adahop.ops.backends import ReferenceBackend  # noqa: E402
-from adahop.ops.kernel_backends import NativeMXBackend  # noqa: E402
+from adahop.ops.backends.native_mx import NativeMXBackend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F32_EPS = 2.0**-23

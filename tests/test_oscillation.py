@@ -7,7 +7,7 @@ import torch
 from test_precision import llama
 
 import adahop
-from adahop.layer_ops import forward_weight
+from adahop.layer.gemms import forward_weight
 from adahop.oscillation import add_dampening_grad, check_dampening
 from adahop.train.trainer import train
 

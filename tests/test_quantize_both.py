@@ -10,7 +10,7 @@ triton = pytest.importorskip("triton")
 
 from adahop.kernels.quantize import quantize_operand_triton  # noqa: E402
 from adahop.kernels.quantize_both import quantize_both  # noqa: E402
-from adahop.ops.kernel_backends import HopperFP8Backend  # noqa: E402
+from adahop.ops.backends.hopper_fp8 import HopperFP8Backend  # noqa: E402
 from adahop.ops.operand import OperandSpec  # noqa: E402
 from adahop.ops.outliers import largest_k, outer_norms, topk_outer  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Layers that read one activation quantize it once (adahop.shared_input, layer_ops'
+"""Layers that read one activation quantize it once (adahop.shared_input, adahop.layer.grouped's
 ``linear_group_forward``): the same bits as the layers called one by one, with fewer
 quantizations of x, on the reference backend and on hopper_fp8's kernels (Triton's interpreter,
 the FP8 GEMM emulated exactly: test_quantize_both._EmulatedHopper), which quantize x both ways in
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import adahop
-import adahop.layer_ops
+import adahop.layer.grouped
+import adahop.layer.plan
 from adahop.llama.model import compute_copies
 from adahop.shared_input import linears_on_one_input
 
@@ -113,8 +114,8 @@ GROUPED_CALLS = {("iht", "reference"): 2, ("iht", "hopper_fp8"): 1, ("mixed", "r
 @pytest.mark.parametrize("mode_set,backend_name", [case for case in GROUPED_CALLS if case != ("mixed", "hopper_fp8")])
 def test_group_is_bit_identical_to_the_layers_one_by_one(monkeypatch, backend_name, mode_set):
     modes = MODE_SETS[mode_set]
-    backend = emulated_hopper() if backend_name == "hopper_fp8" else adahop.layer_ops.get_backend("reference", DEVICE)
-    monkeypatch.setattr(adahop.layer_ops, "get_backend", lambda name, device: backend)
+    backend = emulated_hopper() if backend_name == "hopper_fp8" else adahop.layer.plan.get_backend("reference", DEVICE)
+    monkeypatch.setattr(adahop.layer.plan, "get_backend", lambda name, device: backend)
     calls = count_x_quantizations(monkeypatch, backend)
     x = make((T, K), seed=1).view(2, T // 2, K)
     grads = [make((T, n), seed=20 + i).view(2, T // 2, n) for i, n in enumerate(OUT)]
@@ -134,8 +135,8 @@ def test_group_is_bit_identical_to_the_layers_one_by_one(monkeypatch, backend_na
 
 
 def test_evaluation_shares_the_forward_quantization(monkeypatch):
-    backend = adahop.layer_ops.get_backend("reference", DEVICE)
-    monkeypatch.setattr(adahop.layer_ops, "get_backend", lambda name, device: backend)
+    backend = adahop.layer.plan.get_backend("reference", DEVICE)
+    monkeypatch.setattr(adahop.layer.plan, "get_backend", lambda name, device: backend)
     calls = count_x_quantizations(monkeypatch, backend)
     group = layers("mxfp4")
     x = make((T, K), seed=2)
@@ -150,8 +151,8 @@ def test_evaluation_shares_the_forward_quantization(monkeypatch):
 
 def _group_ran(monkeypatch):
     ran = []
-    real = adahop.layer_ops.quantize_input
-    monkeypatch.setattr(adahop.layer_ops, "quantize_input", lambda *a, **k: ran.append(1) or real(*a, **k))
+    real = adahop.layer.grouped.quantize_input
+    monkeypatch.setattr(adahop.layer.grouped, "quantize_input", lambda *a, **k: ran.append(1) or real(*a, **k))
     return ran
 
 
@@ -218,10 +219,10 @@ def test_share_input_is_a_checked_config_field():
 def test_the_op_checks_its_owners_against_the_layers_numerics():
     group = layers(modes=[IHT, IHT, MIXED[1]])
     xs = [make((T, K), seed=4)] * 3
-    numerics = adahop.layer_ops.group_numerics_key([lay.numerics for lay in group])
+    numerics = adahop.layer.grouped.group_numerics_key([lay.numerics for lay in group])
     # one line: Inductor's GPU code cites the op's arguments in a one-line comment
     assert len(numerics.splitlines()) == 1 and "\r" not in numerics
-    assert adahop.layer_ops.group_layers(numerics, True) == (tuple(lay.numerics for lay in group), (0, 0, 2))
+    assert adahop.layer.grouped.group_layers(numerics, True) == (tuple(lay.numerics for lay in group), (0, 0, 2))
     # (layer 2: wgrad BF16, x along K only)
     args = (xs, [lay.weight for lay in group], [lay.rng_state.clone() for lay in group], numerics)
     with pytest.raises(ValueError, match=r"owners \[0, 1, 2\] do not match the layers' numerics, which give "):

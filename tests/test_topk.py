@@ -57,7 +57,7 @@ def test_empty_and_bad_input():
 
 def test_backend_selection_equals_reference():
     """The Triton backends' ``select_outer`` picks the reference's slices (same norms)."""
-    from adahop.ops.kernel_backends import TritonBackend
+    from adahop.ops.backends.triton import TritonBackend
 
     t = torch.randn(300, 70, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEVICE)
     t[17] *= 50

@@ -1,12 +1,13 @@
 """adahop: LLM training with MXFP4 GEMMs at BF16 quality (AdaHOP, arXiv 2604.02525).
 
 The library, the API a training loop of your own uses (what this module exports, and its
-packages), bottom to top: formats (MXFP4) -> transforms (Hadamard, the operand spec) -> patterns
-(detection, calibration) -> policy (strategy tables) -> config -> kernels (Triton) and ops (the
-dispatch: reference, triton, hopper_fp8, native_mx) -> layer_ops (the GEMMs as torch.library ops)
--> linear (the module) -> convert, modes_io, drift, hf, calibration (the ``Calibrator``),
-quantized_all_gather (FSDP2), oscillation -> schedule (BF16 phase and blocks) -> recipes (numerics
-+ schedule, ``adahop.recipe``); atomic_io (safe file writes) and safe_paths below all.
+packages), bottom to top: formats (MXFP4) and gemm_geometry -> transforms (Hadamard, the operand
+spec) -> patterns (detection, calibration) -> policy (strategy tables) -> kernels (Triton) and ops
+(the dispatch: a registry of backends, reference, triton, hopper_fp8, native_mx) -> config -> layer
+(the plan, the GEMMs, the torch.library ops) -> linear (the module) -> convert, modes_io, drift, hf,
+calibration (the ``Calibrator``), quantized_all_gather (FSDP2), oscillation -> schedule (BF16 phase
+and blocks) -> recipes (numerics + schedule, ``adahop.recipe``); atomic_io (safe file writes) and
+safe_paths below all.
 
 The harness, the ``adahop`` program built on the library and not needed to use it, bottom to top:
 data (sources, tokenizers, corpus, zero-shot tasks) -> llama (adahop's Llama, pretrained weights)

@@ -36,14 +36,16 @@ from dataclasses import dataclass, field
 
 from adahop.formats.mxfp4 import DEFAULT_BLOCK_SIZE, ROUNDINGS, SCALE_MODES, check_block_size, check_choice
 from adahop.formats.rng import check_seed
+from adahop.ops.backends import backend_choices, backend_names
 from adahop.patterns.detect import DEFAULT_TAU, check_tau
 from adahop.policy import DEFAULT_HP_BUDGET, GEMM_MODES, GEMMS, POLICIES, MeasuredPolicy, check_hp_budget, check_modes
 from adahop.transforms.hadamard import DEFAULT_HADAMARD_SIZE, check_hadamard_size
 
-# Where the MXFP4 GEMMs run (ops/backends.py implements and checks each; docs/kernels.md,
-# 'Backends and dispatch'). "auto" picks the fastest one the device has.
-BACKEND_NAMES = ("reference", "triton", "hopper_fp8", "native_mx")
-BACKEND_CHOICES = ("auto", *BACKEND_NAMES)
+# Where the MXFP4 GEMMs run: the backends of the registry in ops/backends (docs/kernels.md,
+# 'Backends and dispatch'). "auto" picks the fastest one the device has. These are the built-in
+# ones; AdaHOPConfig.backend also takes any registered later (backend_choices()).
+BACKEND_NAMES = backend_names()
+BACKEND_CHOICES = backend_choices()
 DEFAULT_OE_K = 64
 DEFAULT_CALIBRATION_STEPS = 30
 CALIBRATION_GEMMS = ("bf16", "iht")
@@ -147,7 +149,7 @@ class AdaHOPConfig:
                 raise ValueError(f"{gemm} must be a GemmConfig, got {getattr(self, gemm)!r}")
         check_choice("policy", self.policy, POLICIES)
         check_hp_budget(self.hp_budget)
-        check_choice("backend", self.backend, BACKEND_CHOICES)
+        check_choice("backend", self.backend, backend_choices())
         check_choice("calibration_gemms", self.calibration_gemms, CALIBRATION_GEMMS)
         check_choice("dgrad_weight", self.dgrad_weight, DGRAD_WEIGHTS)
         if self.dgrad_weight == "forward":

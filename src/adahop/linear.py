@@ -22,7 +22,7 @@ the k high-precision columns of x where wgrad uses OE-right (chosen in the forwa
 column norms). The weight is re-quantized along N in the backward from the parameter, which is
 alive anyway: saving a second quantized copy would cost memory for nothing.
 
-The GEMMs run as two custom ops (``layer_ops``: ``adahop::linear_forward`` / ``linear_backward``),
+The GEMMs run as two custom ops (``layer.ops``: ``adahop::linear_forward`` / ``linear_backward``),
 which ``torch.compile`` traces without a graph break.
 
 During calibration (adaptive recipes, training mode, grad enabled) every GEMM runs in high
@@ -47,8 +47,8 @@ from torch import nn
 
 from adahop.config import AdaHOPConfig
 from adahop.formats.rng import mix_seeds, mix_seeds_from
-from adahop.layer_ops import (  # noqa: F401  (GemmPlan, LayerPlan, make_gemm_plan, mxfp4_gemm: public here)
-    GEMM_INDEX,
+from adahop.gemm_geometry import GEMM_INDEX
+from adahop.layer import (  # noqa: F401  (GemmPlan, LayerPlan, make_gemm_plan, mxfp4_gemm: public here)
     PLAIN_MODES,
     GemmPlan,
     LayerPlan,
@@ -67,7 +67,7 @@ EXTRA_STATE_VERSION = 1
 
 class _CalibratingLinearFunction(torch.autograd.Function):
     """A calibration step of one layer: the three GEMMs in high precision (the layer's bf16
-    modes, the same operations as ``layer_ops`` runs for them), x and w observed in the forward,
+    modes, the same operations as ``layer.gemms`` runs for them), x and w observed in the forward,
     g in the backward, and the freeze after the last calibration step's backward."""
 
     @staticmethod
@@ -228,7 +228,7 @@ class AdaHOPLinear(nn.Linear):
 
     # ---- forward -------------------------------------------------------------------------------
     def _refresh_numerics(self) -> None:
-        """Make the ops' description of this layer's GEMMs (``layer_ops.numerics_key``) for the
+        """Make the ops' description of this layer's GEMMs (``layer.plan.numerics_key``) for the
         current config and modes. It is made here, when either changes, and not in the forward,
         so that a compiled forward only reads it (a string, guarded as a constant). Random-sign
         seeds are mix_seeds(seed, layer_id, gemm, 2): fixed per layer and GEMM, and part of the
@@ -248,13 +248,13 @@ class AdaHOPLinear(nn.Linear):
                                              for key in (input_key(numerics, False), input_key(numerics, True)))
 
     def input_key(self, needs_backward: bool) -> str | None:
-        """What this layer's GEMMs make of x (``layer_ops.input_key``, as a string): layers
+        """What this layer's GEMMs make of x (``layer.grouped.input_key``, as a string): layers
         that read one x and have equal keys can quantize it once (``shared_input``)."""
         return self._input_keys[1] if needs_backward else self._input_keys[0]  # (Dynamo 2.11 cannot index by a bool)
 
     @property
     def numerics(self) -> str:
-        """The ops' description of this layer's GEMMs now (``layer_ops.numerics_key``): what an
+        """The ops' description of this layer's GEMMs now (``layer.plan.numerics_key``): what an
         operand quantized ahead of a call (adahop.quantized_all_gather's weight) must match."""
         return self._numerics
 

@@ -12,7 +12,7 @@ to the loss, i.e. ``2 * lambda * (W - Q(W))`` to each weight's gradient, which d
 weights away from the decision boundaries toward the grid points, where small updates do not
 flip them.
 
-Here Q(W) is the weight the layer's forward GEMM uses (``layer_ops.forward_weight``: fprop's
+Here Q(W) is the weight the layer's forward GEMM uses (``layer.gemms.forward_weight``: fprop's
 quantized W, rotated back for IHT modes, with the OE rows exact; under IHT the distance is the
 same in the rotated basis, which is orthonormal). Layers still calibrating and layers whose
 forward runs in BF16 get no term. The term is added after the backward, before gradient
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from adahop.convert import adahop_layers
-from adahop.layer_ops import forward_weight
+from adahop.layer.gemms import forward_weight
 
 
 def check_dampening(value) -> float:

@@ -1,7 +1,8 @@
 """AdaHOP's strategy: from the outlier patterns of X, W, G to a mode for each of the three GEMMs.
 
 Each GEMM is written C = A B with A: [M, Kc] and B: [Kc, Nc] and read as fed to the matmul; a
-transposed tensor swaps row and column (docs/method.md, 'Strategy per GEMM'):
+transposed tensor swaps row and column (docs/method.md, 'Strategy per GEMM'; the operands and
+which of them is transposed come from ``gemm_geometry.GEOMETRY``):
 
     GEMM   A    B    pair of patterns
     fprop  X    W^T  (pat(X),       flip(pat(W)))
@@ -30,9 +31,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from adahop.gemm_geometry import GEMMS, GEOMETRY
 from adahop.patterns.detect import PATTERNS
 
-GEMMS = ("fprop", "dgrad", "wgrad")
 GEMM_MODES = ("bf16", "mxfp4", "iht", "iht+oe_left", "iht+oe_right")
 POLICY_LEVELS = ("lv1", "lv2")  # the strategy table's levels
 POLICIES = (*POLICY_LEVELS, "measured")  # AdaHOPConfig.policy: a table level or the measured policy
@@ -61,8 +62,9 @@ def gemm_pattern_pairs(patterns: Mapping[str, str]) -> dict[str, tuple[str, str]
     for role in ("x", "w", "g"):
         if patterns.get(role) not in PATTERNS:
             raise ValueError(f"pattern of {role!r} must be one of {PATTERNS}, got {patterns.get(role)!r}")
-    x, w, g = patterns["x"], patterns["w"], patterns["g"]
-    return {"fprop": (x, flip(w)), "dgrad": (g, w), "wgrad": (flip(g), x)}
+    return {name: (flip(patterns[gm.a.role]) if gm.a_transposed else patterns[gm.a.role],
+                   flip(patterns[gm.b.role]) if gm.b_transposed else patterns[gm.b.role])
+            for name, gm in GEOMETRY.items()}
 
 
 def table_mode(pair: tuple[str, str], level: str) -> str:
@@ -107,9 +109,9 @@ def check_modes(modes: Mapping[str, str]) -> dict[str, str]:
 
 DEFAULT_HP_BUDGET = 0.08  # share of a layer's GEMM FLOPs in high precision (BF16 GEMMs + OE slices)
 NSR_BF16 = 2.0**-16 / 3  # one operand rounded to BF16 (relative spacing 2**-7, uniform rounding error)
-# (role, quantization dim) of A and B in each GEMM (ops/operand.py's table): OE takes the slices of
+# (role, quantization dim) of A and B in each GEMM (gemm_geometry.GEOMETRY): OE takes the slices of
 # the other dim, rows of a tensor quantized along dim 1 and columns of one along dim 0.
-GEMM_OPERANDS = {"fprop": (("x", 1), ("w", 1)), "dgrad": (("g", 1), ("w", 0)), "wgrad": (("g", 0), ("x", 0))}
+GEMM_OPERANDS = {name: ((gm.a.role, gm.a.dim), (gm.b.role, gm.b.dim)) for name, gm in GEOMETRY.items()}
 OE_MODES = ("iht+oe_left", "iht+oe_right")
 # Naive MXFP4 wins a near tie: IHT (and OE, which runs IHT) must be predicted this much better.
 # The prediction of IHT minus naive MXFP4 is off by 0.3 dB (sd) on SmolLM2-135M's fprop and dgrad,

@@ -15,7 +15,7 @@ Why it is exact
 ---------------
 With ``AdaHOPConfig(dgrad_weight="forward")`` a layer needs one thing of W in a step: fprop's B
 operand, W quantized along K (after fprop's Hadamard along K in an IHT mode). dgrad multiplies by
-that operand dequantized and rotated back (``layer_ops.forward_weight``); wgrad does not read W.
+that operand dequantized and rotated back (``layer.gemms.forward_weight``); wgrad does not read W.
 Quantizing along K is row-local: a row's blocks of 32 and its Hadamard blocks lie inside the
 row. So each rank quantizes its own rows (``fprop_operand``), and the gathered codes and scales
 are those of the gathered weight, bit for bit. A plain ``mxfp4`` fprop quantizes W with one
@@ -30,7 +30,7 @@ What the layer receives
 The gathered codes and scales themselves, as a ``GatheredFpropWeight``: a tensor subclass with
 the weight's shape and dtype that holds fprop's B (an ``MXFP4Tensor`` over FSDP2's all-gather
 buffers, no copy). The layer's two custom ops, called with it, run their implementations with
-that operand (``__torch_dispatch__`` -> ``layer_ops.run_forward`` / ``run_backward``): fprop
+that operand (``__torch_dispatch__`` -> ``layer.ops.run_forward`` / ``run_backward``): fprop
 feeds it to the GEMM as it is and dgrad dequantizes it and rotates it back. A dequantized float
 weight for the layer to quantize again would not do: for IHT the operand is Q(W H), and a float
 W' = Q(W H) H^T only gives Q(W' H) = Q(W H) up to the rounding of H^T H = I (a block whose
@@ -87,7 +87,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # the inter
 from torch.utils._pytree import tree_map_only
 
 from adahop.formats.mxfp4 import MXFP4Tensor, fake_quantize_mxfp4_tiles
-from adahop.layer_ops import layer_plan, run_backward, run_forward
+from adahop.layer.ops import run_backward, run_forward
+from adahop.layer.plan import layer_plan
 from adahop.linear import AdaHOPLinear
 
 aten = torch.ops.aten
@@ -146,7 +147,7 @@ def fprop_operand(w_shard: torch.Tensor, layer: AdaHOPLinear, dtype: torch.dtype
     plan = layer_plan(layer.numerics, layer.rng_state, w_shard.device, False)
     fp = plan.fprop
     w = w_shard.to(dtype)
-    if fp.mode == "mxfp4":  # (dgrad_weight "forward": one scale per tile, layer_ops.forward_weight)
+    if fp.mode == "mxfp4":  # (dgrad_weight "forward": one scale per tile, layer.gemms.forward_weight)
         w = fake_quantize_mxfp4_tiles(w, block_size=fp.b.block_size, scale_mode=fp.b.scale_mode)
     return plan.backend.quantize_packed(w, 1, fp.b, cast_to=dtype)
 

@@ -4,7 +4,7 @@ it once.
 Called one by one, each such layer quantizes x itself: along K for its forward GEMM and along
 T for its wgrad, a pass over x each, with the same bits where the layers' settings for x are the
 same (X is rounded to nearest even: nothing random). ``linears_on_one_input`` runs the group as
-one op (``layer_ops.linear_group_forward``) that makes each distinct quantization of x once; the
+one op (``layer.grouped.linear_group_forward``) that makes each distinct quantization of x once; the
 weights, the GEMMs, OE, each layer's SR stream and the whole backward stay the layer's own. The
 results are those of the layers called one by one, bit for bit (tested), and the saved packed x
 is kept once for the layers that share it.
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_globals
 
-from adahop.layer_ops import group_numerics_key
+from adahop.layer.grouped import group_numerics_key
 from adahop.linear import AdaHOPLinear
 
 
@@ -44,7 +44,7 @@ def linears_on_one_input(layers: Sequence[nn.Module], copies: Sequence[torch.Ten
         return tuple(layer(x) for layer, x in zip(layers, copies))  # (some weights frozen, some not)
     needs_backward = backward[0]
     keys = [layer.input_key(needs_backward) for layer in layers]
-    # each layer's owner: the first layer with its key (layer_ops.group_layers, which the op checks)
+    # each layer's owner: the first layer with its key (layer.grouped.group_layers, which the op checks)
     owners = [-1 if key is None else keys.index(key) for key in keys]
     if all(owners.count(owner) < 2 for owner in owners if owner >= 0):
         return tuple(layer(x) for layer, x in zip(layers, copies))  # nothing to share

@@ -1,7 +1,8 @@
 """The output error of one GEMM under every strategy, against a float64 product.
 
-A linear layer's three GEMMs, in the NT form ``mxfp4_gemm`` takes them (``linear.py`` passes
-exactly these; x_TK activation, w_NK weight, g_TN output gradient):
+A linear layer's three GEMMs, in the NT form ``mxfp4_gemm`` takes them (the layer passes exactly
+these; ``layer_gemms`` reads them from ``gemm_geometry.GEOMETRY``; x_TK activation, w_NK weight,
+g_TN output gradient):
 
     GEMM    C              A  (given as, contraction dim)    B  (given as, contraction dim)
     fprop   y  [T, N]      x_TK, dim 1 (K)                   w_NK, dim 1 (K): B = w^T
@@ -45,6 +46,7 @@ import torch
 
 from adahop.config import GemmConfig
 from adahop.formats.rng import mix_seeds
+from adahop.gemm_geometry import GEOMETRY
 from adahop.linear import GEMM_INDEX, make_gemm_plan, mxfp4_gemm
 from adahop.ops.backends import ReferenceBackend
 
@@ -118,11 +120,9 @@ class GemmOperands:
 
 def layer_gemms(x_TK: torch.Tensor, w_NK: torch.Tensor, g_TN: torch.Tensor) -> dict[str, GemmOperands]:
     """The three GEMMs of ``y = x w^T`` as the layer feeds them to ``mxfp4_gemm``."""
-    return {
-        "fprop": GemmOperands("fprop", x_TK, 1, w_NK, 1),
-        "dgrad": GemmOperands("dgrad", g_TN, 1, w_NK, 0),
-        "wgrad": GemmOperands("wgrad", g_TN, 0, x_TK, 0),
-    }
+    tensors = {"x": x_TK, "w": w_NK, "g": g_TN}
+    return {name: GemmOperands(name, tensors[gm.a.role], gm.a.dim, tensors[gm.b.role], gm.b.dim)
+            for name, gm in GEOMETRY.items()}
 
 
 def signs_seed(layer_name: str, gemm: str, seed: int = 0) -> int:

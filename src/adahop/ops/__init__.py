@@ -1,4 +1,7 @@
-"""Operand quantization and MXFP4 GEMMs behind one dispatch point (``get_backend``)."""
+"""What runs a GEMM operand's numerics: its reference quantization (``operand``), outlier
+extraction's choice of slices (``outliers``), and the backends that quantize operands and run the
+MXFP4 GEMMs (``backends``: a registry, one module per backend), behind one dispatch point
+(``get_backend``)."""
 
 from adahop.ops.backends import ReferenceBackend, available_backends, get_backend
 from adahop.ops.operand import OperandSpec, quantize_operand

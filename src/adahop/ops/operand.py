@@ -9,6 +9,8 @@ GEMMs of a linear layer (x_TK activation, w_NK weight, g_TN output gradient):
     dgrad  dx_TK = g_TN  . w_NK      A = g along N (dim 1),           B = w along N (dim 0)
     wgrad  dw_NK = g_TN^T . x_TK     A = g along T (dim 0),           B = x along T (dim 0)
 
+(``gemm_geometry.GEOMETRY`` holds this table for the code.)
+
 ``OperandSpec`` (``transforms.operand_spec``, re-exported here) says how an operand is quantized;
 both operands of a GEMM must use the same padding, Hadamard size and signs along K, or the
 transform would not cancel.

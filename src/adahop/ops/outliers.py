@@ -7,7 +7,7 @@ the k-th norm broken by the lower index; indices returned sorted. ``largest_k`` 
 reference (a stable sort); ``kernels.topk`` computes the same set in one launch, which the
 Triton backends use. The reference's norms are ``torch.linalg.vector_norm`` (``outer_norms``);
 where a Triton quantize kernel reads the operand anyway, it sums the norms itself (the same
-norms up to the order of the float additions: ``ops.kernel_backends``), else those backends
+norms up to the order of the float additions: ``ops.backends.triton``), else those backends
 take ``outer_norms`` too (docs/method.md, 'Outlier extraction (OE)').
 """
 

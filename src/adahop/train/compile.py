@@ -8,7 +8,7 @@ and writing the whole activation; the same in every recipe). Inductor fuses thos
 few kernels.
 
 The AdaHOP layers are traced with the rest: their GEMMs are two custom ops per layer
-(``adahop.layer_ops``) with fake implementations, and their stochastic-rounding counters are
+(``adahop.layer.ops``) with fake implementations, and their stochastic-rounding counters are
 device tensors advanced inside the graph. After calibration a converted model is one graph, with
 no graph break (tested on the CPU for every recipe); that is also what lets a CUDA graph replay a
 whole step.

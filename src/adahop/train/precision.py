@@ -11,7 +11,7 @@ from adahop.convert import adahop_layers
 from adahop.policy import GEMMS
 
 # The outer dim each OE mode selects its k high-precision slices from, as a function of the
-# GEMM's (T, N, K) (layer_ops: fprop y = x w^T, dgrad dx = g w, wgrad dw = g^T x).
+# GEMM's (T, N, K) (gemm_geometry: fprop y = x w^T, dgrad dx = g w, wgrad dw = g^T x).
 _OE_OUTER = {
     ("fprop", "iht+oe_left"): 0, ("fprop", "iht+oe_right"): 1,
     ("dgrad", "iht+oe_left"): 0, ("dgrad", "iht+oe_right"): 2,

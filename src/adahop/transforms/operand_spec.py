@@ -1,5 +1,5 @@
 """How one GEMM operand is quantized: ``OperandSpec``, the one description of an operand's numerics
-from the layer's plan (``layer_ops.make_gemm_plan``, from a ``GemmConfig``) down into the reference
+from the layer's plan (``layer.plan.make_gemm_plan``, from a ``GemmConfig``) down into the reference
 (``ops.operand.quantize_operand``) and the Triton kernels (``kernels.quantize``,
 ``kernels.quantize_both``).
 

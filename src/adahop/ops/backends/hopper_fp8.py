@@ -1,13 +1,9 @@
-"""Backends built on the Triton kernels (``adahop.kernels``): ``triton``, ``hopper_fp8`` and
-``native_mx``.
+"""Backend ``hopper_fp8``: exact MXFP4 GEMMs on FP8 tensor cores (docs/method.md, 'MXFP4 on
+Hopper's FP8 tensor cores'), on CUDA GPUs of compute capability 8.9 or more; ``auto`` takes it
+there unless ``native_mx`` runs.
 
-``triton``: the fused quantize kernel produces the packed MXFP4 operand, the GEMM is the
-reference's (dequantize + float32 matmul). It runs wherever Triton runs, the CPU interpreter
-included (``TRITON_INTERPRET=1``), which is how CI checks the kernels inside the whole layer.
-
-``hopper_fp8``: exact MXFP4 GEMMs on FP8 tensor cores (docs/method.md, 'MXFP4 on Hopper's FP8
-tensor cores'). The quantize kernel emits each operand as float8 e4m3 elements plus one float32
-scale per row, with every MXFP4 value ``e2m1 * 2**e_block`` written as
+The quantize kernel emits each operand as float8 e4m3 elements plus one float32 scale per row,
+with every MXFP4 value ``e2m1 * 2**e_block`` written as
 ``(e2m1 * 2**(e_block - e_rowmax + 6)) * 2**(e_rowmax - 6)``; the e4m3 element is exact while
 the block is within 14 binades of its row's largest (beyond, it is rounded: an error below 2**-15
 of the row maximum). ``torch._scaled_mm`` with row-wise scales then computes
@@ -18,20 +14,9 @@ where cuBLAS runs it (sm_90; the layer's weight gradient); where torch refuses f
 row-wise scales, and for other output dtypes, it runs with unit scales into float32 and we apply
 the two scales ourselves.
 
-``native_mx``: the packed MXFP4 operands (what the quantize kernel writes) straight into
-``tl.dot_scaled`` (``kernels.mx_gemm``): the block-scaled MMA of GPUs with MX tensor cores.
-
-Outlier extraction: the slices are chosen by ``kernels.topk`` (one launch instead of
-``torch.topk`` and a sort: the same indices) from the reference's norms, or, where
-``quantize_both`` / ``quantize_and_pack`` read the tensor anyway, from norms that kernel summed
-(the same L2 norms up to the order of the float additions, as the GEMMs are the reference's up
-to accumulation order: a slice could only be swapped for another whose norm is equal to within
-float32 rounding). The caller overwrites the output slices of the extracted rows/columns with
-their high-precision result, and MXFP4 quantizes each outer slice on its own, so zeroing those
-slices first (``zero_outer``) cannot change the result: these backends skip it (one pass less).
-
-``hopper_fp8`` also quantizes a tensor both ways from one kernel (``kernels.quantize_both``):
-the backward's gradient (``quantize_both``) and the forward's activation (``quantize_and_pack``).
+It also quantizes a tensor both ways from one kernel (``kernels.quantize_both``): the backward's
+gradient (``quantize_both``) and the forward's activation (``quantize_and_pack``). Outlier
+extraction as ``ops.backends.triton`` says.
 """
 
 from __future__ import annotations
@@ -40,49 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from adahop.formats.mxfp4 import MXFP4Tensor, dequantize_mxfp4
+from adahop.ops.backends.protocol import Backend, BackendEntry, cuda_missing, triton_missing
+from adahop.ops.backends.triton import TritonBackend, cast_args, select_outer
 from adahop.ops.operand import OperandSpec
 from adahop.ops.outliers import outer_norms
-
-
-def _cast_args(x: torch.Tensor, cast_to: torch.dtype | None) -> tuple[torch.Tensor, dict]:
-    """The operand ``x.to(cast_to)`` as the kernel takes it: float32 to bfloat16 is rounded in
-    the kernel's loads (``round_to_bf16``: no cast copy written and read again), any other cast
-    is made first."""
-    if cast_to is None or cast_to == x.dtype:
-        return x, {}
-    if x.dtype == torch.float32 and cast_to == torch.bfloat16:
-        return x, {"round_to_bf16": True}
-    return x.to(cast_to), {}
-
-
-def select_outer(t: torch.Tensor, outer_dim: int, k: int, norms: torch.Tensor | None = None) -> torch.Tensor:
-    """``ops.outliers.topk_outer`` with the selection in one Triton launch; ``norms``: the outer
-    slices' L2 norms where a quantize kernel already computed them."""
-    from adahop.kernels.topk import topk_indices
-
-    return topk_indices(outer_norms(t, outer_dim) if norms is None else norms, k)
-
-
-class TritonBackend:
-    """Triton quantize kernel + the reference GEMM."""
-
-    name = "triton"
-    select_outer = staticmethod(select_outer)
-
-    def quantize(self, x, dim, spec: OperandSpec, zero_outer=None, cast_to=None) -> MXFP4Tensor:
-        return self.quantize_packed(x, dim, spec, zero_outer, cast_to)
-
-    def quantize_packed(self, x, dim, spec: OperandSpec, zero_outer=None, cast_to=None) -> MXFP4Tensor:
-        from adahop.kernels.quantize import quantize_operand_triton
-
-        x, cast = _cast_args(x, cast_to)
-        return quantize_operand_triton(x, dim, spec, **cast)["mx"]
-
-    def mm_nt(self, a: MXFP4Tensor, b: MXFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        a_f32 = dequantize_mxfp4(a, keep_padding=True)
-        b_f32 = dequantize_mxfp4(b, keep_padding=True)
-        return (a_f32 @ b_f32.t()).to(out_dtype)
 
 
 @dataclass(frozen=True)
@@ -101,7 +47,7 @@ def _pad_rows(t: torch.Tensor, multiple: int, value: float = 0.0) -> torch.Tenso
     return torch.cat((t, filler))
 
 
-class HopperFP8Backend:
+class HopperFP8Backend(Backend):
     """Exact MXFP4 GEMMs through e4m3 + row scales and ``torch._scaled_mm`` (see module doc)."""
 
     name = "hopper_fp8"
@@ -109,12 +55,22 @@ class HopperFP8Backend:
     rowwise_fp32_out = True  # row-wise scaled GEMMs may write float32 (set False where refused)
 
     def __init__(self, use_fast_accum: bool = False):
-        self.use_fast_accum = use_fast_accum
+        # use_fast_accum: _scaled_mm's fast accumulation, which the exactness argument (module doc)
+        # does not cover; for timing it only (benchmarks/bench_gemm.py). A setting of this instance,
+        # fixed when it is made: get_backend gives each set of options its own instance, so the
+        # one the layers use is never switched by another caller.
+        if not isinstance(use_fast_accum, bool):
+            raise ValueError(f"use_fast_accum must be True or False, got {use_fast_accum!r}")
+        self._use_fast_accum = use_fast_accum
+
+    @property
+    def use_fast_accum(self) -> bool:
+        return self._use_fast_accum
 
     def quantize(self, x, dim, spec: OperandSpec, zero_outer=None, cast_to=None) -> E4M3Operand:
         from adahop.kernels.quantize import quantize_operand_triton
 
-        x, cast = _cast_args(x, cast_to)
+        x, cast = cast_args(x, cast_to)
         out = quantize_operand_triton(x, dim, spec, packed=False, e4m3=True, **cast)
         return E4M3Operand(out["e4m3"], out["row_scale"])
 
@@ -195,16 +151,16 @@ class HopperFP8Backend:
         return c[:M, :N] if padded else c
 
 
-class NativeMXBackend(TritonBackend):
-    """``triton``'s packed operands into ``tl.dot_scaled`` (``kernels.mx_gemm``) instead of the
-    reference GEMM: GPUs with MX tensor cores. ``ops.backends`` never offers it on Hopper, where
-    ``tl.dot_scaled`` is emulated through BF16 (0.15x cuBLAS BF16 at 8192^3 on the H200, measured;
-    docs/kernels.md, 'The native MX GEMM'). The class itself runs wherever Triton does (the CPU
-    interpreter with an in-kernel decode in place of the MMA), which is how it is tested."""
+def unavailable(device: torch.device) -> str | None:
+    reason = triton_missing("hopper_fp8")
+    if reason is not None:
+        return reason
+    if cuda_missing(device):
+        return f"backend 'hopper_fp8' needs a CUDA GPU, got device {device}"
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return "backend 'hopper_fp8' needs FP8 tensor cores (compute capability >= 8.9)"
+    return None
 
-    name = "native_mx"
 
-    def mm_nt(self, a: MXFP4Tensor, b: MXFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        from adahop.kernels.mx_gemm import mxfp4_gemm_nt
-
-        return mxfp4_gemm_nt(a, b, out_dtype)
+ENTRY = BackendEntry("hopper_fp8", unavailable=unavailable, factory=HopperFP8Backend, auto_rank=20,
+                     options=("use_fast_accum",))
