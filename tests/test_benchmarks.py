@@ -33,7 +33,8 @@ from adahop.config import RECIPES
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "common")
-GPU_ONLY = ("bench_gemm", "bench_kernels", "bench_linear", "check_compile", "check_hopper", "gpu_reference_check")
+GPU_ONLY = ("bench_gemm", "bench_kernels", "bench_linear", "check_compile", "check_hopper", "gpu_reference_check",
+            "quantize_ceiling")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="the Triton kernels on the CPU need TRITON_INTERPRET=1")
 # At K = 64 wgrad's OE-right (k = 64 of the layer's recipes) selects every column: said, and fine here
@@ -55,8 +56,8 @@ def test_every_script_is_listed():
     # a new script gets a smoke test here: in GPU_ONLY (refusal) or in a CPU run below
     assert set(SCRIPTS) == {"ablation", "activation_memory", "backend_agreement", "bench_gemm", "bench_kernels",
                             "bench_linear", "bench_train_speed", "check_compile", "check_hopper", "gpu_reference_check",
-                            "offline_compile", "pretrained_forward", "quant_error_study", "sass_count",
-                            "train_compare", "value_error"}
+                            "offline_compile", "pretrained_forward", "quant_error_study", "quantize_ceiling",
+                            "sass_count", "train_compare", "value_error"}
     assert not (BENCH / "bench_hopper.py").exists()
 
 
@@ -411,3 +412,43 @@ def test_gpu_reference_check_trains_every_recipe(corpus, tmp_path):
                                                           batch_size=2, seq_len=32)
     assert [r["recipe"] for r in rows] == list(adahop.RECIPES)
     assert all(r["finite"] and r["steps"] == 2 for r in rows)
+
+
+@needs_interpreter
+def test_quantize_ceiling_candidates_on_cpu(on_cpu, tmp_path, monkeypatch):
+    qc = script("quantize_ceiling")
+    monkeypatch.setattr(qc, "bench", lambda fn, rep=100: (fn(), 1.0)[1])
+    monkeypatch.setattr(qc, "COPY_BYTES", 4096)
+    monkeypatch.setattr(qc, "MODELS", {"1b": dict(T=64, x=(64,), g=(32, 64), w=((64, 96),))})
+    monkeypatch.setattr(qc, "ROWS_CONFIGS", ((16, 64, 4),))
+    out = tmp_path / "ceiling.jsonl"
+    assert qc.main(["--sections", "rows,weight", "--models", "1b", "--out", str(out)]) == 0
+    rows = {r["variant"]: r for r in rows_of(out) if "variant" in r}
+    owned = {v: r for v, r in rows.items() if "owned rows" in v}
+    assert len(owned) == 3 * 6  # x along K, g along N, g along T; exact / bound / given, butterfly or dot
+    for v, r in owned.items():
+        if "tensor cores" not in v and ("exact" in v or "given" in v):
+            assert r["bytes_differ"] == 0.0, v  # the library's bits (the section asserts it too)
+        if "tensor cores" not in v and "bound" in v:
+            # a larger row scale moves every e4m3 byte but, in range, not the value it stands for
+            assert r["bytes_differ"] > 0 and r["max_rel_to_row_max"] == 0.0, v
+    assert sum("W [64,96]" in v for v in rows) == 2
+
+
+@needs_interpreter
+def test_quantize_ceiling_torch_form_is_the_librarys_bits():
+    """The PyTorch form the producer section compiles gives the quantize kernel's bits (eager)."""
+    qc = script("quantize_ceiling")
+    from adahop.kernels.quantize import quantize_operand_triton
+    from adahop.ops import OperandSpec
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 128, generator=g)
+    x[:, 3] *= 40
+    x[2, 64:96] *= 1e-6  # a block many binades below its row's largest
+    y = x.to(torch.bfloat16)
+    for hadamard, spec in ((False, OperandSpec()), (True, OperandSpec(hadamard_size=32))):
+        e4, rs = qc.e4m3_form_torch(y, hadamard)
+        ref = quantize_operand_triton(y, 1, spec, packed=False, e4m3=True)
+        assert torch.equal(e4.view(torch.uint8), ref["e4m3"].view(torch.uint8))
+        assert torch.equal(rs, ref["row_scale"])

@@ -252,24 +252,49 @@ def test_quickstart_twice_leaves_the_first_runs_as_they_are(corpus, tmp_path, ca
     assert table == [line for line in second.splitlines() if line.startswith("| cpu-")] and len(table) == 2
 
 
+def test_no_resume_moves_the_old_run_aside_and_keeps_the_new_runs_checkpoints(corpus, tmp_path, capsys):
+    """30 steps (checkpoints 20 and 30 kept), then 10 steps with --no-resume into the same folder:
+    pruning used to keep the old run's 20 and 30 and delete the new run's 10, so that `latest`
+    dangled and eval failed. Now the old run is in previous-1/, whole, and both evaluate."""
+    run = tmp_path / "r"
+    assert cli.main(train_args(corpus, run, recipe="bf16", steps=30)) == 0
+    old = {str(p.relative_to(run)): p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"}
+    capsys.readouterr()
+    assert cli.main(train_args(corpus, run, recipe="bf16", steps=10) + ["--no-resume"]) == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000000010.pt"]
+    assert cli.main(["eval", "--run", str(run), "--tasks", "--heldout-batches", "1"]) == 0
+    assert json.loads((run / "eval.json").read_text())["checkpoint"] == "step_000000010.pt"
+    err = capsys.readouterr().err
+    assert f"{run} held another run: its files are moved to {run / 'previous-1'}, and this run starts" in err
+    previous = run / "previous-1"
+    assert {str(p.relative_to(previous)): p.read_bytes() for p in previous.rglob("*") if p.is_file()} == old
+    assert cli.main(["eval", "--run", str(previous), "--tasks", "--heldout-batches", "1"]) == 0
+    assert json.loads((previous / "eval.json").read_text())["checkpoint"] == "step_000000030.pt"
+    assert json.loads((run / "summary.json").read_text())["steps"] == 10
+
+
 def test_a_second_process_on_the_same_run_folder_is_refused(corpus, tmp_path, capsys):
     import subprocess
     import sys
 
     run = tmp_path / "locked"
-    run.mkdir()
+    assert cli.main(train_args(corpus, run, recipe="bf16", steps=2)) == 0
+    capsys.readouterr()
+    files = sorted(p.relative_to(run) for p in run.rglob("*"))
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from adahop.train.run_folder import RunLock; RunLock(sys.argv[1]).acquire(); "
         "print('held', flush=True); time.sleep(60)"), str(run)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        assert cli.main(train_args(corpus, run, steps=2)) == 2
-        one_line_error(capsys, "is in use by another adahop process", f"pid {holder.pid}")
-        assert not (run / "log.jsonl").exists()
+        for new_run in ([], ["--no-resume"]):  # the old run is moved aside only by the lock's holder
+            assert cli.main(train_args(corpus, run, recipe="bf16", steps=3) + new_run) == 2
+            one_line_error(capsys, "is in use by another adahop process", f"pid {holder.pid}")
+            assert sorted(p.relative_to(run) for p in run.rglob("*")) == files
     finally:
         holder.kill()
         holder.wait()
-    assert cli.main(train_args(corpus, run, steps=2)) == 0  # the lock died with its holder
+    assert cli.main(train_args(corpus, run, recipe="bf16", steps=3) + ["--no-resume"]) == 0  # the lock died
+    assert (run / "previous-1" / "summary.json").is_file()
 
 
 def test_a_torn_last_log_line_is_dropped_and_other_damage_named(corpus, tmp_path, capsys, monkeypatch):

@@ -404,6 +404,85 @@ def test_corrupt_or_missing_files_are_named(byte_corpus, tmp_path):
     D.load_corpus(out)
 
 
+# A manifest is data from whoever made the folder: its file names must stay inside it.
+ESCAPING_NAMES = ["../victimdir/weights.bin", "VICTIM", "tokenizer/../../victimdir/weights.bin", ".."]
+
+
+def _escaping(name, victim):
+    return str(victim) if name == "VICTIM" else name  # an absolute path
+
+
+def _victim(tmp_path):
+    victim = tmp_path / "victimdir" / "weights.bin"
+    victim.parent.mkdir()
+    victim.write_bytes(b"precious")
+    return victim
+
+
+@pytest.mark.parametrize("name", ESCAPING_NAMES)
+def test_a_rebuild_never_deletes_a_file_the_old_manifest_names_outside_the_folder(byte_corpus, tiny, tmp_path,
+                                                                                   monkeypatch, capsys, name):
+    from adahop import cli
+
+    victim = _victim(tmp_path)
+    out = tmp_path / "c"
+    shutil.copytree(byte_corpus, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["shards"]["tiny"]["train"]["file"] = _escaping(name, victim)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setitem(S.SOURCES, "tiny", tiny)
+    assert cli.main(["data", "--out", str(out), "--sources", "tiny", "--tokenizer", "byte", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "manifest.json (a shard's file)" in err and "only a plain file name inside" in err
+    assert victim.read_bytes() == b"precious"
+    assert (out / "tiny.val.bin").is_file()  # refused before anything was touched
+
+
+@pytest.mark.parametrize("name", ESCAPING_NAMES)
+def test_load_refuses_shard_and_tokenizer_names_leaving_the_folder(byte_corpus, tmp_path, name):
+    """Each crafted corpus would load (the named files are the real ones, copied where the name
+    points): only the name check stops it."""
+    victim = _victim(tmp_path)
+    out = tmp_path / "c"
+    shutil.copytree(byte_corpus, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    shard = dict(manifest["shards"]["tiny"]["train"], file=_escaping(name, victim))
+    if name != "..":
+        shutil.copy(out / "tiny.train.bin", victim)
+    crafted = {**manifest, "shards": {**manifest["shards"], "tiny": {**manifest["shards"]["tiny"], "train": shard}}}
+    (out / "manifest.json").write_text(json.dumps(crafted))
+    with pytest.raises(ValueError, match=r"manifest.json \(a shard's file\) names .*only a plain file name inside"):
+        D.load_corpus(out)
+    if name not in ("VICTIM", ".."):  # the tokenizer's dir, pointed at a copy outside
+        shutil.copytree(out / "tokenizer", victim.parent / "tok")
+        tok_dir = name.replace("weights.bin", "tok")
+        (out / "manifest.json").write_text(json.dumps({**manifest, "tokenizer": {**manifest["tokenizer"],
+                                                                                 "dir": tok_dir}}))
+        with pytest.raises(ValueError, match=r"\(the tokenizer's dir\) names .*only a plain file name inside"):
+            D.load_corpus(out)
+    (out / "manifest.json").write_text(json.dumps({**manifest, "tokenizer": {
+        **manifest["tokenizer"], "files": {_escaping(name, victim): "0" * 64}}}))
+    with pytest.raises(ValueError, match=r"\(a tokenizer file\) names .*only a plain file name inside"):
+        D.load_corpus(out)
+    assert victim.is_file()
+
+
+def test_a_tiktoken_config_naming_a_file_outside_is_refused(tmp_path):
+    pytest.importorskip("tiktoken")
+    from adahop.data.tokenizer import TiktokenBPE
+
+    TiktokenBPE(_mini_ranks(), name="mini").save(tmp_path / "tok")
+    assert load_tokenizer(tmp_path / "tok").vocab_size == 261
+    cfg_path = tmp_path / "tok" / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copy(tmp_path / "tok" / cfg["file"], tmp_path / "elsewhere" / cfg["file"])  # loadable there
+    cfg_path.write_text(json.dumps({**cfg, "file": f"../elsewhere/{cfg['file']}"}))
+    with pytest.raises(ValueError, match=r"tokenizer_config.json \(its file\) names .*only a plain file name"):
+        load_tokenizer(tmp_path / "tok")
+
+
 def test_bad_build_arguments_fail_before_work(tmp_path, tiny):
     with pytest.raises(ValueError, match="unknown source 'wikipedia'"):
         D.build_corpus(tmp_path / "c", sources=["shakespeare", "wikipedia"], progress=False)

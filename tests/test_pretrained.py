@@ -14,6 +14,7 @@
 
 import json
 import math
+import shutil
 import sys
 import time
 
@@ -389,6 +390,32 @@ def test_hf_bad_checkpoints(tmp_path):
     (sharded / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ValueError, match="shards that are not there"):
         P.load_hf_llama(sharded)
+
+
+@pytest.mark.parametrize("name", ["../outside/x.safetensors", "/etc/passwd", "sub/x.safetensors", ".."])
+def test_an_index_naming_a_file_outside_the_folder_is_refused_before_opening_any(tmp_path, monkeypatch, name):
+    """A weight_map is data from whoever made the folder: a name leaving it is refused in one line
+    before any shard is opened."""
+    import safetensors
+
+    w = hf_weights(HF_CONFIG)
+    folder = write_hf(tmp_path / "model", HF_CONFIG, w, shards=2)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (folder / "model-00002-of-00002.safetensors").rename(outside / "x.safetensors")  # loadable: only the name stops it
+    (folder / "sub").mkdir()
+    shutil.copy(outside / "x.safetensors", folder / "sub" / "x.safetensors")
+    index = folder / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    weight_map = {k: name if v == "model-00002-of-00002.safetensors" else v for k, v in weight_map.items()}
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    opened = []
+    safe_open = safetensors.safe_open
+    monkeypatch.setattr(safetensors, "safe_open", lambda f, **kw: opened.append(f) or safe_open(f, **kw))
+    with pytest.raises(ValueError, match="weight_map.*only a plain file name inside") as e:
+        P.load_hf_llama(folder)
+    assert repr(name) in str(e.value) and "\n" not in str(e.value)
+    assert opened == []
 
 
 def test_missing_packages(tmp_path, monkeypatch):

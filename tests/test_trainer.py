@@ -290,3 +290,85 @@ def test_a_run_with_a_policy_function_resumes(tmp_path):
     assert [c.split(":")[0] for c in resume_conflicts(saved, other)] == ["adahop.policy_fn"]
     summary = train(cfg, model=tiny_model(), train_batches=CountingBatches())
     assert summary["steps"] == 6 and len(read_log(tmp_path / "run")) >= 6
+
+
+# ---- a new run in a folder that holds another: the old run moved aside, nothing lost ----------------
+def _files(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _old_run(tmp_path, steps=4):
+    """A finished bf16 run (a checkpoint every step, the last 2 kept) and its files."""
+    cfg = config(tmp_path, recipe="bf16", steps=steps, ckpt_every=1)
+    train(cfg, model=tiny_model(), train_batches=CountingBatches(), eval_fn=lambda m: {"loss": 1.0})
+    return {k: v for k, v in _files(tmp_path / "run").items() if k != ".lock"}
+
+
+def test_a_new_run_in_a_folder_of_another_keeps_its_checkpoints_and_moves_the_old_run_aside(tmp_path, capsys):
+    """Old run: steps 1-4, checkpoints 3 and 4 kept. A new run of 3 steps into the same folder
+    (resume=False) used to have its checkpoints pruned as older than the old run's, leaving
+    ``latest`` dangling: now the old run is moved whole into previous-1/, the new one resumes."""
+    old = _old_run(tmp_path)
+    assert sorted(k for k in old if k.startswith("checkpoints/step")) == [
+        "checkpoints/step_000000003.pt", "checkpoints/step_000000004.pt"]
+    run = tmp_path / "run"
+    cfg = config(tmp_path, recipe="bf16", steps=3, ckpt_every=1, seed=7)
+    first = train(cfg, model=tiny_model(), train_batches=CountingBatches(), resume=False, stop_after=2)
+    assert [p.name for p in ckpt.list_checkpoints(run / "checkpoints")] == ["step_000000001.pt", "step_000000002.pt"]
+    assert ckpt.latest_checkpoint(run / "checkpoints").name == "step_000000002.pt"
+    err = capsys.readouterr().err
+    assert f"{run} held another run: its files are moved to {run / 'previous-1'}" in err
+    assert _files(run / "previous-1") == old  # every file of the old run, unchanged
+    assert not (run / "summary.json").exists()  # the old run's summary is not beside the new log
+    second = train(cfg, model=tiny_model(seed=3), train_batches=CountingBatches(seed=9))  # resumes the new run
+    assert "held another run" not in capsys.readouterr().err
+    assert second["steps"] == 3 and len(second["losses"]) == 1
+    assert [r["step"] for r in read_log(run) if "loss" in r] == [1, 2, 3] and len(first["losses"]) == 2
+    assert ckpt.load_checkpoint(ckpt.latest_checkpoint(run / "checkpoints"))["step"] == 3
+    # a third run: previous-2, previous-1 stays as it was
+    train(cfg, model=tiny_model(), train_batches=CountingBatches(), resume=False, stop_after=1)
+    assert _files(run / "previous-1") == old and (run / "previous-2" / "summary.json").is_file()
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "checkpoints", "config.json", "log.jsonl",
+                                                     "previous-1", "previous-2"]
+
+
+def test_a_new_run_killed_before_its_first_checkpoint_leaves_no_old_summary_beside_its_log(tmp_path):
+    old = _old_run(tmp_path, steps=2)
+
+    def killed(step, model):
+        raise KeyboardInterrupt  # before the first checkpoint
+
+    cfg = config(tmp_path, recipe="bf16", steps=3, ckpt_every=2)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, model=tiny_model(), train_batches=CountingBatches(), resume=False, on_step=killed)
+    run = tmp_path / "run"
+    assert _files(run / "previous-1") == old
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "config.json", "log.jsonl", "previous-1"]
+
+
+def test_a_move_killed_midway_is_finished_by_the_next_run(tmp_path, monkeypatch):
+    """The move is one rename per entry into .previous-1.partial/, then one rename to
+    previous-1: killed in between, the next run (even a resume) finishes it first."""
+    import os
+
+    from adahop.train import run_folder
+
+    old = _old_run(tmp_path)
+    rename, calls = os.rename, []
+
+    def killed_after_two(src, dst):
+        calls.append(src)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        rename(src, dst)
+
+    monkeypatch.setattr(run_folder.os, "rename", killed_after_two)
+    cfg = config(tmp_path, recipe="bf16", steps=4, ckpt_every=1)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, model=tiny_model(), train_batches=CountingBatches(), resume=False)
+    monkeypatch.setattr(run_folder.os, "rename", rename)
+    run = tmp_path / "run"
+    assert (run / ".previous-1.partial").is_dir() and not (run / "previous-1").exists()
+    summary = train(cfg, model=tiny_model(), train_batches=CountingBatches())  # a resume: finds nothing to resume
+    assert _files(run / "previous-1") == old and not (run / ".previous-1.partial").exists()
+    assert len(summary["losses"]) == 4 and "already_finished" not in summary

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+PROBE_PREFIX = ".write-check-"  # ensure_writable_dir's probe, of this or another process: never a run's
+
 
 def file_mode() -> int:
     """The mode a plain ``open()`` would give a new file under the current umask."""
@@ -69,7 +71,7 @@ def ensure_writable_dir(path: str | os.PathLike, what: str = "--out", *, create:
     try:
         if create:
             path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=probe_in, prefix=".write-check-")
+        fd, probe = tempfile.mkstemp(dir=probe_in, prefix=PROBE_PREFIX)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:

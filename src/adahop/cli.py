@@ -424,7 +424,9 @@ def _add_train_args(p):
                    help="where the MXFP4 GEMMs run (default auto: the fastest this device has; "
                         "reference: dequantize + matmul, the numerics' definition, on any device)")
     g = p.add_argument_group("behaviour")
-    g.add_argument("--no-resume", action="store_true", help="start over even if the run folder has a checkpoint")
+    g.add_argument("--no-resume", action="store_true",
+                   help="start a new run even if the run folder holds one (whose files are moved into the "
+                   "folder's previous-N/, never deleted)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--compile", choices=("auto", "model", "blocks", "none"), default=None,
                    help="torch.compile the whole model ('model'), each transformer block ('blocks') or nothing; "

@@ -34,8 +34,11 @@ cache and, when the existing manifest has the same build key and verifies, the w
 
 Load (:func:`load_corpus`): checks the manifest's format, the tokenizer files' digests and
 vocabulary, and each shard's size and sha256; a missing or corrupt file is a ``ValueError``
-naming it. Reading (:class:`TokenBatches`): ``(inputs, targets)`` int64 tensors of shape
-``[batch, seq_len]`` (targets are inputs shifted by one token). For training, an endless stream:
+naming it, and so is a file name in the manifest that is not a plain name in the corpus folder
+(``adahop.safe_paths``; a rebuild deletes the old manifest's shards, so it checks them first).
+
+Reading (:class:`TokenBatches`): ``(inputs, targets)`` int64 tensors of shape ``[batch, seq_len]``
+(targets are inputs shifted by one token). For training, an endless stream:
 each epoch cuts every source's shard into non-overlapping windows from a random offset, and
 visits all windows of all sources in one random order, so the sources are mixed in proportion to
 their size. For validation, a finite sweep through each source in order. Both are deterministic
@@ -80,6 +83,7 @@ from adahop.data.tokenizer import (
     load_tokenizer,
 )
 from adahop.data.tokenizer_spec import check_tokenizer_available, parse_tokenizer_spec, train_tokenizer
+from adahop.safe_paths import file_in
 
 FORMAT = "adahop-corpus"
 FORMAT_VERSION = 1
@@ -250,6 +254,8 @@ def build_corpus(
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     out = ensure_writable_dir(out_dir, "the corpus folder", create=False)  # before any download
+    manifest_path = out / MANIFEST
+    old_files = _old_shard_files(manifest_path)  # a rebuild deletes them: checked before any download
     rep = _Reporter(progress)
 
     # fetch, verify, extract
@@ -271,12 +277,9 @@ def build_corpus(
                      for n in names]}, sort_keys=True).encode()).hexdigest()
 
     # reuse an up-to-date corpus
-    manifest_path = out / MANIFEST
-    old_files: set[str] = set()
     if manifest_path.is_file():
         try:
             old = json.loads(manifest_path.read_text())
-            old_files = {sh["file"] for per in old.get("shards", {}).values() for sh in per.values()}
             if not force and old.get("build_key") == build_key:
                 load_corpus(out)
                 rep.log(f"{out} is up to date (build key {build_key[:12]}); nothing to do")
@@ -320,7 +323,7 @@ def build_corpus(
     finally:
         bar.close()
     for stale in old_files - {sh["file"] for per in shards.values() for sh in per.values()}:
-        if (out / stale).is_file() and stale.endswith(".bin"):
+        if (out / stale).is_file() and stale.endswith(".bin"):  # a plain name (_old_shard_files)
             (out / stale).unlink()
 
     manifest = {
@@ -335,6 +338,18 @@ def build_corpus(
     total = sum(sh["tokens"] for per in shards.values() for sh in per.values())
     rep.log(f"wrote {out}: {total:,} tokens in {manifest['build']['seconds']:.1f} s")
     return manifest
+
+
+def _old_shard_files(manifest_path: Path) -> set[str]:
+    """The shard files an existing manifest lists, which a rebuild deletes once it has written
+    its own. Each must be a plain file name in the corpus folder (``safe_paths``): a ValueError
+    otherwise, before anything is fetched or deleted. An unreadable manifest lists none."""
+    try:
+        old = json.loads(manifest_path.read_text())
+        names = [sh["file"] for per in old["shards"].values() for sh in per.values()]
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return set()
+    return {file_in(manifest_path.parent, name, f"{manifest_path} (a shard's file)").name for name in names}
 
 
 # --------------------------------------------------------------------------------------------
@@ -374,7 +389,8 @@ class Corpus:
         dtype = np.dtype("<u2" if info["dtype"] == "uint16" else "<u4")
         if info["tokens"] == 0:
             return np.zeros(0, dtype=dtype)
-        return np.memmap(self.root / info["file"], dtype=dtype, mode="r", shape=(info["tokens"],))
+        path = file_in(self.root, info["file"], f"{self.root / MANIFEST} (a shard's file)")
+        return np.memmap(path, dtype=dtype, mode="r", shape=(info["tokens"],))
 
     def tokens(self, split: str | None = None) -> int:
         return sum(sh["tokens"] for per in self.manifest["shards"].values()
@@ -416,9 +432,9 @@ def load_corpus(corpus_dir: str | os.PathLike, *, verify: bool = True, model_voc
         raise ValueError(f"{mpath}: corpus format version {manifest.get('format_version')}, this code reads "
                          f"{FORMAT_VERSION}; rebuild the corpus")
     tinfo = manifest["tokenizer"]
-    tok_dir = root / tinfo["dir"]
+    tok_dir = file_in(root, tinfo["dir"], f"{mpath} (the tokenizer's dir)")
     for fname, digest in tinfo.get("files", {}).items():
-        path = tok_dir / fname
+        path = file_in(tok_dir, fname, f"{mpath} (a tokenizer file)")
         if not path.is_file():
             raise ValueError(f"corpus {root}: tokenizer file {path} is missing")
         if verify and sha256_file(path) != digest:
@@ -433,7 +449,7 @@ def load_corpus(corpus_dir: str | os.PathLike, *, verify: bool = True, model_voc
     expected_dtype = _dtype_name(shard_dtype(tok.vocab_size))
     for per in manifest["shards"].values():
         for info in per.values():
-            path = root / info["file"]
+            path = file_in(root, info["file"], f"{mpath} (a shard's file)")
             if not path.is_file():
                 raise ValueError(f"corpus {root}: shard {path} is missing")
             if info["dtype"] != expected_dtype:

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from adahop.atomic_io import atomic_write_bytes
+from adahop.safe_paths import file_in
 
 CONFIG_FILE = "tokenizer_config.json"
 BPE_FILE = "tokenizer.json"
@@ -282,7 +283,7 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
             raise ValueError(f"BPE tokenizer at {directory}: missing {BPE_FILE}")
         tok = BPETokenizer.from_file(path, name=cfg.get("name"))
     elif kind == "tiktoken":
-        path = directory / cfg.get("file", TIKTOKEN_FILE)
+        path = file_in(directory, cfg.get("file", TIKTOKEN_FILE), f"{cfg_path} (its file)")
         if not path.is_file():
             raise ValueError(f"tiktoken BPE at {directory}: missing {path.name}")
         tok = TiktokenBPE(path.read_text("ascii"), name=cfg.get("name", "gpt2"),

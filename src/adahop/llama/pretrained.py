@@ -52,6 +52,7 @@ from adahop.data.smollm2 import smollm2_gguf
 from adahop.data.sources import ChecksumError, sha256_file
 from adahop.data.tokenizer import BPETokenizer
 from adahop.llama.model import Llama, LlamaConfig, rope_tables
+from adahop.safe_paths import file_in
 
 # --------------------------------------------------------------------------------------------
 # SmolLM2, the pinned model (data.smollm2: where it is, its pins, its tokenizer)
@@ -237,10 +238,12 @@ def _hf_config(raw: dict, path: Path, max_seq_len: int | None) -> LlamaConfig:
 
 
 def _hf_files(folder: Path) -> list[Path]:
+    """The safetensors files of ``folder``; the index's names are checked to be plain file names
+    in it (``safe_paths``) before any is opened."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
-        files = [folder / f for f in sorted(set(weight_map.values()))]
+        files = sorted({file_in(folder, f, f"{index} (weight_map)") for f in weight_map.values()})
     elif (folder / "model.safetensors").is_file():
         files = [folder / "model.safetensors"]
     else:

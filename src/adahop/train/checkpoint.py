@@ -25,7 +25,8 @@ A run under ``--parallel`` writes a sharded checkpoint instead: a folder ``step_
 It is written into ``.step_000123.tmp/`` and renamed into place by rank 0 once every rank has
 written its part, then ``latest`` moves. Only tensors go through torch.distributed.checkpoint:
 its non-tensor values would be unpickled on load. Its ``.metadata`` file is a pickle of its own
-classes, read here with an unpickler that admits those classes and nothing else.
+classes, read here with an unpickler that admits those classes and nothing else; the files it
+names (and the name in ``latest``) must be plain names in their folder (``adahop.safe_paths``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import numpy as np
 import torch
 
 from adahop.atomic_io import atomic_write, atomic_write_bytes
+from adahop.safe_paths import file_in
 
 CHECKPOINT_RE = re.compile(r"^step_(\d{9})(\.pt)?$")  # a file (one process) or a folder (sharded)
 LATEST = "latest"
@@ -106,7 +108,7 @@ def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
     folder = Path(folder)
     pointer = folder / LATEST
     if pointer.exists():
-        path = folder / pointer.read_text().strip()
+        path = file_in(folder, pointer.read_text().strip(), str(pointer))
         if not CHECKPOINT_RE.match(path.name) or not path.exists():
             raise ValueError(f"{pointer} points to {path.name!r}, which is not a checkpoint in {folder}")
         return path
@@ -236,6 +238,8 @@ def _safe_reader(path: Path):
                     metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
             except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
                 raise ValueError(f"cannot read {path}/.metadata: {e}") from None
+            for info in (getattr(metadata, "storage_data", None) or {}).values():  # the files tensors are read from
+                file_in(path, getattr(info, "relative_path", None), f"{path}/.metadata (a tensor's file)")
             from torch.distributed.checkpoint.metadata import StorageMeta
 
             if getattr(metadata, "storage_meta", None) is None:

@@ -53,7 +53,7 @@ from adahop.train.precision import (
     phase_switch_step,
     validate_schedule,
 )
-from adahop.train.run_folder import RunLock
+from adahop.train.run_folder import RunLock, set_aside_previous_run
 from adahop.train.run_log import LOG_NAME, JsonlLog
 
 
@@ -347,7 +347,9 @@ def train(
     The run folder ``cfg.out_dir`` is checked writable and locked for this process first
     (``run_folder``). With ``resume``, its latest checkpoint is continued, if its config matches
     (``resume_conflicts``); a run that has already finished is left as it is (the summary it
-    wrote comes back with ``"already_finished": True``).
+    wrote comes back with ``"already_finished": True``). Without, the files of a run already
+    there are moved into ``previous-N/`` (``run_folder.set_aside_previous_run``) and the run
+    starts in a clean folder.
 
     ``stop_after``: stop after that many steps of this call (to test interruption).
     ``on_step(step, model)``: called after each optimizer step (``step`` counts from 1), before
@@ -364,7 +366,11 @@ def train(
             par.check_batch(cfg.batch_size, cfg.calibration_micro_batches)
             if par.is_main:  # one owner of the folder; the other ranks write only their checkpoint parts
                 lock = RunLock(out).acquire()
-        except ValueError as e:
+                moved = set_aside_previous_run(out, new_run=not resume)
+                if moved is not None:
+                    print(f"{out} held another run: its files are moved to {moved}, and this run starts in a "
+                          "clean folder", file=sys.stderr)
+        except (ValueError, OSError) as e:
             error = e
         par.agree(error)
         return _train(cfg, out, par, model=model, train_batches=train_batches, eval_fn=eval_fn, resume=resume,
