@@ -42,7 +42,11 @@ def test_train_resume_eval_compare(corpus, tmp_path, capsys, monkeypatch):
     assert cli.main(train_args(corpus, lv2, steps=6)) == 0  # killed after step 4 (its checkpoint)
     monkeypatch.setattr(trainer_mod, "train", train)
     assert len(losses(lv2)) == 4
+    resumed = []  # what the resuming process trained (a restart from scratch logs the same six losses)
+    monkeypatch.setattr(trainer_mod, "train", lambda *a, **kw: resumed.append(train(*a, **kw)) or resumed[-1])
     assert cli.main(train_args(corpus, lv2, steps=6)) == 0  # resumes at step 4
+    monkeypatch.setattr(trainer_mod, "train", train)
+    assert resumed[0]["losses"] == losses(whole)[4:]  # it ran steps 5 and 6 only, from the checkpoint
     assert losses(lv2) == losses(whole) and len(losses(whole)) == 6
     assert cli.main(train_args(corpus, bf16, recipe="bf16")) == 0
 
