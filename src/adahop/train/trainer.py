@@ -34,6 +34,7 @@ from adahop.llama.pretrained import check_init
 from adahop.train.checkpoint import (
     is_sharded,
     latest_checkpoint,
+    load_model_state,
     load_sharded,
     load_training_checkpoint,
     read_sharded_state,
@@ -473,7 +474,7 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
     if state is not None and par.distributed:
         start_step = _load_sharded_state(model, opt, train_batches, found, par)
     elif state is not None:
-        model.load_state_dict(state["model"])
+        load_model_state(model, state["model"], found)
         opt.load_state_dict(state["optimizer"])
         train_batches.load_state_dict(state["data"])
         set_rng_state(state["rng"])
