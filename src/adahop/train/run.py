@@ -92,10 +92,25 @@ def drift_of(model, corpus: Corpus, cfg: TrainConfig) -> dict:
         return measure_drift(model, batches, apply=cfg.drift == "apply")
 
 
+def check_heldout(corpus: Corpus, seq_len: int) -> None:
+    """Every source's held-out shard holds one window of ``seq_len + 1`` tokens, or a ValueError
+    saying what to change: a run evaluates on it, at the end if not before, and would otherwise
+    train every step and then fail there (on every re-run too)."""
+    for source in corpus.sources:
+        tokens = corpus.shard_info(source, "val")["tokens"]
+        if tokens < seq_len + 1:
+            raise ValueError(f"corpus {corpus.root}: the held-out shard of {source!r} has {tokens} tokens, fewer than "
+                             f"one window of seq_len + 1 = {seq_len + 1}: rebuild it with a larger --val-fraction "
+                             "(adahop data), or train with a shorter --seq-len")
+
+
 def eval_fn_of(cfg: TrainConfig, corpus: Corpus):
     """The evaluation ``train`` runs for ``cfg``: ``heldout_eval`` over ``cfg.eval_batches``, and
-    with ``cfg.drift`` on, the drift of a calibrated model under ``"drift"``."""
+    with ``cfg.drift`` on, the drift of a calibrated model under ``"drift"``. The held-out shards
+    are checked to hold a window here, before training (``check_heldout``)."""
     from adahop.convert import is_calibrated
+
+    check_heldout(corpus, cfg.seq_len)
 
     def eval_fn(model) -> dict:
         result = heldout_eval(model, corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
