@@ -90,7 +90,7 @@ def run_train(args) -> dict:
     from adahop.atomic_io import ensure_writable_dir
     from adahop.data.corpus import load_corpus
     from adahop.train.recipes import recipe_label
-    from adahop.train.run import eval_fn_of, open_run
+    from adahop.train.run import eval_fn_of, open_run, other_corpus
     from adahop.train.trainer import train
 
     cfg = train_config(args)
@@ -105,9 +105,8 @@ def run_train(args) -> dict:
     cfg.extra["corpus_id"] = corpus.corpus_id
     ckpt_config = Path(cfg.out_dir) / "config.json"
     if ckpt_config.is_file() and not args.no_resume:
-        old = _read_json(ckpt_config)
-        old_id = old.get("extra", {}).get("corpus_id") if isinstance(old, dict) else None
-        if old_id not in (None, corpus.corpus_id):
+        old_id = other_corpus(_read_json(ckpt_config), corpus)
+        if old_id is not None:
             raise ValueError(f"{cfg.out_dir} was trained on another corpus ({old_id}); "
                              "use a new --out or --no-resume")
     model, batches = open_run(cfg, corpus)
@@ -138,7 +137,7 @@ def run_eval(args) -> dict:
     from adahop.train.checkpoint import latest_checkpoint, load_model_state, load_training_checkpoint
     from adahop.train.evaluate import evaluate_tasks
     from adahop.train.precision import block_filter
-    from adahop.train.run import heldout_eval, open_run
+    from adahop.train.run import check_run_corpus, heldout_eval, open_run
     from adahop.train.trainer import TrainConfig, resolve_device
 
     run = Path(args.run)
@@ -150,6 +149,7 @@ def run_eval(args) -> dict:
         raise ValueError(f"{run} has no checkpoint (checkpoints/ is empty or missing)")
     state = load_training_checkpoint(found)
     corpus = load_corpus(cfg.corpus_dir)
+    check_run_corpus(run, cfg, corpus)
     device = resolve_device(args.device or cfg.device)
     # Zero-shot items can be longer than a small preset's training length: score them with RoPE
     # tables up to EVAL_MAX_SEQ_LEN (positions past the training length are extrapolation;

@@ -21,6 +21,26 @@ from adahop.llama.pretrained import INIT_SCRATCH, load_init
 from adahop.train.trainer import TrainConfig
 
 
+def other_corpus(saved_config, corpus: Corpus) -> str | None:
+    """The corpus id (the corpus's build key, ``extra["corpus_id"]``) that a run's saved
+    ``config.json`` (a dict, or a TrainConfig) records when it is not ``corpus``'s: the folder was
+    rebuilt since from other sources, text or settings, so its held-out split is not the run's.
+    None when it is the same, or the config records none."""
+    extra = saved_config.get("extra") if isinstance(saved_config, dict) else getattr(saved_config, "extra", None)
+    saved = extra.get("corpus_id") if isinstance(extra, dict) else None
+    return saved if saved not in (None, corpus.corpus_id) else None
+
+
+def check_run_corpus(run, saved_config, corpus: Corpus) -> None:
+    """A ValueError when the run folder ``run`` was trained on another corpus than ``corpus``
+    (``other_corpus``): evaluating or studying it there would score it on other text."""
+    saved = other_corpus(saved_config, corpus)
+    if saved is not None:
+        raise ValueError(f"{run} was trained on corpus {saved[:12]}, but {corpus.root} now holds corpus "
+                         f"{corpus.corpus_id[:12]} (rebuilt since, from other sources or settings): its held-out "
+                         "text is not the run's; rebuild the corpus as the run had it, or train a new run on this one")
+
+
 def build_model(cfg: TrainConfig, vocab_size: int, *, max_seq_len: int | None = None) -> Llama:
     """The (unconverted, float32) Llama a run starts from. With ``cfg.init == "scratch"``: the
     model of ``cfg.model_size``, initialised from ``cfg.seed``; otherwise the pretrained model
