@@ -341,6 +341,25 @@ def load_init(init: str, *, max_seq_len: int | None = None) -> Llama:
     return load_hf_llama(path, max_seq_len=max_seq_len)
 
 
+def init_tokenizer(init: str):
+    """``(tokenizer, None)``: the tokenizer that comes with the pretrained model ``init`` names (a
+    ``.gguf`` file's own, a Hugging Face folder's ``tokenizer.json``), or ``(None, why)`` where it
+    has none this code can read. (SmolLM2's is the corpus tokenizer ``"smollm2"``, known by name.)"""
+    path = Path(init).expanduser()
+    if path.suffix == ".gguf":
+        try:
+            return read_gguf_tokenizer(open_gguf(path), path, name=path.stem), None
+        except (ValueError, ImportError) as e:
+            return None, str(e)
+    tok_file = path / "tokenizer.json"
+    if not tok_file.is_file():
+        return None, f"{path} has no tokenizer.json"
+    try:
+        return BPETokenizer.from_file(tok_file, name=f"hf:{path.name}"), None
+    except (ValueError, ImportError) as e:
+        return None, str(e)
+
+
 # --------------------------------------------------------------------------------------------
 # Building the model
 
