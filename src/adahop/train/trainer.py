@@ -364,6 +364,7 @@ def train(
     try:
         error = None
         try:
+            par.check_same_settings(cfg.to_dict())  # one rank's other --lr or --out: every rank stops here
             par.check_batch(cfg.batch_size, cfg.calibration_micro_batches)
             if par.is_main:  # one owner of the folder; the other ranks write only their checkpoint parts
                 lock = RunLock(out).acquire()
