@@ -42,7 +42,11 @@ def test_train_resume_eval_compare(corpus, tmp_path, capsys, monkeypatch):
     assert cli.main(train_args(corpus, lv2, steps=6)) == 0  # killed after step 4 (its checkpoint)
     monkeypatch.setattr(trainer_mod, "train", train)
     assert len(losses(lv2)) == 4
+    resumed = []  # what the resuming process trained (a restart from scratch logs the same six losses)
+    monkeypatch.setattr(trainer_mod, "train", lambda *a, **kw: resumed.append(train(*a, **kw)) or resumed[-1])
     assert cli.main(train_args(corpus, lv2, steps=6)) == 0  # resumes at step 4
+    monkeypatch.setattr(trainer_mod, "train", train)
+    assert resumed[0]["losses"] == losses(whole)[4:]  # it ran steps 5 and 6 only, from the checkpoint
     assert losses(lv2) == losses(whole) and len(losses(whole)) == 6
     assert cli.main(train_args(corpus, bf16, recipe="bf16")) == 0
 
@@ -495,3 +499,26 @@ def test_calibration_in_iht_reaches_the_run(corpus, tmp_path):
     assert cli.main(train_args(corpus, run, steps=6) + ["--calibration-steps", "2", "--calibration-gemms", "iht"]) == 0
     assert json.loads((run / "config.json").read_text())["adahop"]["calibration_gemms"] == "iht"
     assert len(losses(run)) == 6 and all(math.isfinite(v) for v in losses(run))
+
+
+def test_eval_and_analyze_refuse_a_run_whose_corpus_was_rebuilt(tmp_path, capsys):
+    """The corpus folder rebuilt from other text with a tokenizer of the same vocabulary: the
+    run's held-out split is gone, so eval and analyze would score it on text it never held out."""
+    from adahop.analyze.inputs import load_subject
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    D.build_corpus(corpus, sources=[S.cpython_stdlib_source(modules=("json", "textwrap"), name="mini")],
+                   tokenizer="byte", progress=False)
+    run = tmp_path / "run"
+    assert cli.main(train_args(corpus, run, recipe="bf16", steps=2)) == 0
+    assert cli.main(["eval", "--run", str(run), "--tasks", "--heldout-batches", "1"]) == 0
+    D.build_corpus(corpus, sources=[S.cpython_stdlib_source(modules=("json", "string"), name="mini")],
+                   tokenizer="byte", progress=False)  # the same vocabulary (257), other text
+    capsys.readouterr()
+    assert cli.main(["eval", "--run", str(run), "--tasks", "--heldout-batches", "1"]) == 2
+    one_line_error(capsys, f"{run} was trained on corpus", "rebuilt since", "held-out text is not the run's")
+    with pytest.raises(ValueError, match="was trained on corpus .*rebuilt since"):
+        load_subject(f"run:{run}")
+    assert cli.main(train_args(corpus, run, recipe="bf16", steps=3)) == 2  # train: as before
+    one_line_error(capsys, "was trained on another corpus")

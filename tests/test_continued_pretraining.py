@@ -226,9 +226,15 @@ def test_init_smollm2_needs_its_tokenizer(tmp_path, tiny, smollm2_loader):
     out = tmp_path / "bpe"
     D.build_corpus(out, sources=[tiny], tokenizer="bpe-300", progress=False)
     cfg = run_cfg(tmp_path, out, "smollm2")
+    # refused from the corpus manifest alone, before SmolLM2 is loaded (a corpus of another
+    # tokenizer of 49,152 entries would pass the vocabulary check below)
+    with pytest.raises(ValueError, match="tokenized by 'bpe-300', not by SmolLM2's tokenizer: .*--tokenizer smollm2"):
+        open_run(cfg, D.load_corpus(out))
+    from adahop.train.run import build_model
+
     with pytest.raises(ValueError, match=r"^the corpus's vocabulary \(300\) is not the model's "
                                          r"\(49152, init 'smollm2'\).*--tokenizer smollm2\)$"):
-        open_run(cfg, D.load_corpus(out))
+        build_model(cfg, D.load_corpus(out).vocab_size)
 
 
 # ---------------------------------------------------------------- part 3: presets and the command line
@@ -281,17 +287,54 @@ def test_cli_init_smollm2_without_the_wheel(tmp_path, monkeypatch, capsys):
 
 
 def test_init_from_gguf_file(tmp_path, hf_folder, byte_corpus):
-    """A .gguf init (the same weights in llama.cpp's layout) gives the Hugging Face folder's model."""
+    """A .gguf init (the same weights in llama.cpp's layout) gives the Hugging Face folder's model.
+    The file's own toy tokenizer is not the byte corpus's: open_run refuses that pair."""
     pytest.importorskip("gguf")
     from test_pretrained import hf_weights, write_gguf
 
-    from adahop.train.run import open_run
+    from adahop.train.run import build_model, open_run
 
     path = write_gguf(tmp_path / "small.gguf", HF_SMALL, hf_weights(HF_SMALL))
     corpus = D.load_corpus(byte_corpus)
     cfg = run_cfg(tmp_path, byte_corpus, path)
-    model, _ = open_run(cfg, corpus)
+    with pytest.raises(ValueError, match="tokenized by 'byte', not by the tokenizer of --init .*small.gguf"):
+        open_run(cfg, corpus)
+    model = build_model(cfg, corpus.vocab_size)
     ref = P.load_hf_llama(hf_folder, max_seq_len=cfg.seq_len).state_dict()
     assert {k: v.dtype for k, v in model.state_dict().items()} == {k: torch.float32 for k in ref}
     assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
-    assert cfg.extra["model"]["init"] == str(path)
+
+
+# ---------------------------------------------------------------- the init model's tokenizer and the corpus's
+
+def test_a_corpus_of_another_tokenizer_of_the_same_vocabulary_is_refused(tmp_path, tiny):
+    """A Hugging Face folder whose tokenizer.json is a BPE of 300 entries trained on other text,
+    and a corpus in a BPE of 300 entries of its own: same vocabulary size, other ids. The run is
+    refused before any step; the corpus's own tokenizer in the folder is accepted; a folder with
+    no tokenizer.json is trained with a warning that the identity is unchecked."""
+    pytest.importorskip("safetensors")
+    from test_pretrained import hf_weights, write_hf
+
+    from adahop.data.tokenizer import BPE_FILE, BPETokenizer
+    from adahop.train.run import open_run
+
+    corpus_dir = tmp_path / "corpus"
+    corpus_dir.mkdir()
+    D.build_corpus(corpus_dir, sources=[tiny], tokenizer="bpe-300", progress=False)
+    corpus = D.load_corpus(corpus_dir)
+    hf_cfg = {**HF_SMALL, "vocab_size": 300}
+    folder = write_hf(tmp_path / "hf", hf_cfg, hf_weights(hf_cfg))
+    other = BPETokenizer.train(["Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 50,
+                                "0123456789 numbers and symbols !?#$%&" * 20], vocab_size=300)
+    other.save(tmp_path / "other_tok")
+    (folder / "tokenizer.json").write_bytes((tmp_path / "other_tok" / BPE_FILE).read_bytes())
+    assert other.vocab_size == corpus.vocab_size == 300
+    with pytest.raises(ValueError, match=r"tokenized by 'bpe-300', not by the tokenizer of --init .*other ids"):
+        open_run(run_cfg(tmp_path, corpus_dir, folder), corpus)
+    (folder / "tokenizer.json").write_bytes((corpus_dir / "tokenizer" / BPE_FILE).read_bytes())
+    model, _ = open_run(run_cfg(tmp_path, corpus_dir, folder), corpus)
+    assert model.config.vocab_size == 300
+    (folder / "tokenizer.json").unlink()
+    with pytest.warns(UserWarning, match="cannot check that the corpus .* has no tokenizer.json"):
+        open_run(run_cfg(tmp_path, corpus_dir, folder), corpus)
+

@@ -149,7 +149,8 @@ def test_bare_linear_is_converted_and_returned(bias):
     # a filter refusing it leaves it alone
     lin2 = nn.Linear(8, 8)
     cfg = AdaHOPConfig.from_recipe_name("mxfp4")
-    assert adahop.convert_to_adahop_training(lin2, config=cfg, module_filter_fn=lambda m, n: False) is lin2
+    with pytest.warns(UserWarning, match="refused all 1 convertible"):
+        assert adahop.convert_to_adahop_training(lin2, config=cfg, module_filter_fn=lambda m, n: False) is lin2
 
 
 def test_convert_refuses_bad_arguments():
@@ -435,3 +436,56 @@ def test_example_your_own_loop_runs_end_to_end(capsys):
     with pytest.raises(SystemExit):  # a switch before the calibration ends
         example.main(["--steps", "6", "--calibration-steps", "5", "--device", "cpu"])
     assert "after the calibration's 5 steps: give at least 7 steps" in capsys.readouterr().err
+
+
+class _SameForwardLinear(nn.Linear):
+    """An nn.Linear subclass that keeps nn.Linear's forward (only a marker)."""
+
+
+class _OwnForwardLinear(nn.Linear):
+    """An nn.Linear subclass computing something else with its weight: not convertible."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def test_linear_subclass_with_linear_forward_is_converted():
+    model = nn.Sequential(_SameForwardLinear(32, 32), nn.ReLU(), _OwnForwardLinear(32, 32), nn.Linear(32, 8))
+    adahop.convert_to_adahop_training(model, config=AdaHOPConfig.from_recipe_name("mxfp4"),
+                                      module_filter_fn=lambda m, n: True)
+    assert set(adahop.adahop_layers(model)) == {"0", "3"}
+    assert type(model[2]) is _OwnForwardLinear  # its forward is its own: left alone
+
+
+def test_multihead_attention_projection_is_not_converted():
+    # nn.MultiheadAttention reads out_proj.weight and never calls out_proj: converting it would
+    # claim MXFP4 for a GEMM that runs in full precision
+    model = nn.ModuleDict({"attn": nn.MultiheadAttention(32, 2), "ff": nn.Linear(32, 32)})
+    adahop.convert_to_adahop_training(model, config=AdaHOPConfig.from_recipe_name("mxfp4"),
+                                      module_filter_fn=lambda m, n: True)
+    assert set(adahop.adahop_layers(model)) == {"ff"}
+
+
+def test_gpt2_conv1d_model_converts_nothing_and_says_what_it_found():
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
+                                                                  n_positions=16))
+    with pytest.warns(UserWarning, match=r"converted no layer: .*refused all 1 .*not converted: 4 Conv1D"):
+        adahop.convert_to_adahop_training(model, config=AdaHOPConfig.from_recipe_name("mxfp4"))
+    assert not adahop.adahop_layers(model)
+
+
+def test_conv_model_and_refusing_filter_warn():
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
+    with pytest.warns(UserWarning, match=r"has no nn\.Linear .*not converted: none"):
+        adahop.convert_to_adahop_training(conv, config=AdaHOPConfig.from_recipe_name("mxfp4"))
+    with pytest.warns(UserWarning, match="the module_filter_fn refused all 9 convertible"):
+        adahop.convert_to_adahop_training(tiny(), config=AdaHOPConfig.from_recipe_name("mxfp4"),
+                                          module_filter_fn=lambda m, n: False)
+
+
+def test_a_conversion_that_converts_says_nothing(recwarn):
+    model = tiny()
+    adahop.convert_to_adahop_training(model, config=AdaHOPConfig.from_recipe_name("mxfp4"))
+    adahop.convert_to_adahop_training(model, config=AdaHOPConfig.from_recipe_name("mxfp4"))  # again: converted
+    assert not [w for w in recwarn if "converted no layer" in str(w.message)]

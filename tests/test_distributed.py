@@ -468,3 +468,21 @@ def test_bad_launches_of_adahop_train_are_one_line(corpus, tmp_path, capsys, mon
     assert ours and all(
         line in (f"adahop train (rank {r}): error: the global batch of 3 sequences does not split over 2 ranks: "
                  "give a --batch-size that is a multiple of 2" for r in (0, 1)) for line in ours), run.stderr[-3000:]
+
+
+# ---- ranks started with different settings -----------------------------------------------------------
+def other_settings(rank, root):
+    """Rank 1 started with another --lr and --seed (another command line): no step may run."""
+    cfg = config(root / "other_settings", "bf16", lr=3e-3 if rank == 0 else 1e-3, seed=rank, progress=rank == 0)
+    return _expect_error(lambda: train(cfg, model=tiny_model(), train_batches=IndexedBatches()))
+
+
+def test_ranks_started_with_different_settings_stop_naming_them(tmp_path):
+    ranks = spawn("other_settings", tmp_path)
+    for r in ranks:
+        assert r["type"] == "RankMismatchError", r
+        assert "different settings" in r["message"] and "\n" not in r["message"]
+        assert "lr: rank 0 0.003, rank 1 0.001" in r["message"] and "seed: rank 0 0, rank 1 1" in r["message"]
+        assert "progress" not in r["message"]  # a rank's own display setting
+    assert ranks[0]["message"] == ranks[1]["message"]
+    assert not (tmp_path / "other_settings" / "log.jsonl").exists()  # stopped before the first step

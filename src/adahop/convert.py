@@ -33,8 +33,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
+from collections import Counter
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from adahop.config import AdaHOPConfig
@@ -97,6 +100,38 @@ def _bf16_reason(mod: nn.Module, fqn: str, embedding_weights: set[int], min_feat
     return None
 
 
+def is_plain_linear(mod: nn.Module) -> bool:
+    """True for a layer ``convert_to_adahop_training`` can convert: an ``nn.Linear``, or a subclass
+    of it that keeps ``nn.Linear``'s forward (x @ W.T + b on its ``weight`` [out, in]; e.g. torch's
+    ``NonDynamicallyQuantizableLinear``). A subclass with its own forward computes something else
+    with the same parameters (an AdaHOPLinear in its place would change the model), and an
+    AdaHOPLinear is converted already."""
+    return (isinstance(mod, nn.Linear) and not isinstance(mod, AdaHOPLinear)
+            and type(mod).forward is nn.Linear.forward)
+
+
+def _linear_like(model: nn.Module) -> str:
+    """What in ``model`` looks like a linear layer but is not convertible, by type with counts
+    (for the warning of a conversion that converted nothing): nn.Linear subclasses with their own
+    forward, and other modules holding a 2-D ``weight`` that are not embeddings (GPT-2's
+    ``Conv1D``, which keeps its weight as [in, out] and is no nn.Linear)."""
+    found = Counter(type(m).__qualname__ for m in model.modules()
+                    if not is_plain_linear(m) and not isinstance(m, (AdaHOPLinear, nn.Embedding))
+                    and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2)
+    return ", ".join(f"{n} {name}" for name, n in found.most_common()) or "none"
+
+
+def _warn_nothing_converted(model: nn.Module, refused: int) -> None:
+    """A conversion that left the model without one AdaHOPLinear would train it in full
+    precision while the caller believes it MXFP4: said, not refused (a filter may mean it)."""
+    why = (f"the module_filter_fn refused all {refused} convertible nn.Linear layers" if refused
+           else "the model has no nn.Linear with nn.Linear's forward")
+    warnings.warn(f"convert_to_adahop_training converted no layer: {why}; other layers with a 2-D weight, not "
+                  f"converted: {_linear_like(model)} (a layer of another class, e.g. GPT-2's Conv1D, which keeps "
+                  "its weight as [in, out], must be replaced by an nn.Linear first); the model stays in full "
+                  "precision", stacklevel=3)
+
+
 def _embedding_weights(model: nn.Module) -> set[int]:
     return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
 
@@ -122,7 +157,7 @@ def bf16_linears(model: nn.Module, *, min_features: int = MIN_FEATURES) -> dict[
     check_min_features(min_features)
     embedding_weights = _embedding_weights(model)
     return {fqn: _bf16_reason(mod, fqn, embedding_weights, min_features) or "refused by the module_filter_fn given"
-            for fqn, mod in model.named_modules() if type(mod) is nn.Linear}
+            for fqn, mod in model.named_modules() if is_plain_linear(mod)}
 
 
 def convert_to_adahop_training(
@@ -134,10 +169,14 @@ def convert_to_adahop_training(
     """Replace, in place, each ``nn.Linear`` of ``model`` accepted by ``module_filter_fn(module,
     fqn)`` with an ``AdaHOPLinear`` sharing its parameters. Returns ``model``.
 
-    A model that is itself an ``nn.Linear`` is converted and returned (it cannot be swapped in
-    place). Already-converted layers are left alone. With ``config.quantized_all_gather`` the
-    converted weights become new parameters (``adahop.quantized_all_gather.install``, for FSDP2):
-    build the optimizer after."""
+    Converted are ``nn.Linear`` and its subclasses that keep its forward (``is_plain_linear``),
+    except the projection of an ``nn.MultiheadAttention``, which reads its weight and never
+    calls it. A model that is itself an ``nn.Linear`` is converted and returned (it cannot be
+    swapped in place). Already-converted layers are left alone. When the model ends up with no
+    AdaHOPLinear at all, a UserWarning says why (no convertible layer, naming the 2-D-weight
+    layers found, e.g. GPT-2's ``Conv1D``; or the filter refused them all). With
+    ``config.quantized_all_gather`` the converted weights become new parameters
+    (``adahop.quantized_all_gather.install``, for FSDP2): build the optimizer after."""
     if not isinstance(config, AdaHOPConfig):
         raise ValueError(f"config must be an AdaHOPConfig (see AdaHOPConfig.from_recipe_name), "
                          f"got {type(config).__name__}")
@@ -145,22 +184,30 @@ def convert_to_adahop_training(
         raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
     keep = module_filter_fn or default_module_filter(model)
 
-    def eligible(mod: nn.Module) -> bool:
-        return type(mod) is nn.Linear
-
-    if eligible(model):
-        if not keep(model, ""):
+    if is_plain_linear(model):
+        if keep(model, ""):
+            model = AdaHOPLinear.from_float(model, config=config, name="")
+            converted = {"": model}
+        else:
+            _warn_nothing_converted(model, refused=1)
             return model
-        model = AdaHOPLinear.from_float(model, config=config, name="")
-        converted = {"": model}
     else:
         converted = {}
+        refused = 0
         for fqn, mod in list(model.named_modules()):
+            if isinstance(mod, nn.MultiheadAttention):  # its out_proj's forward is never called
+                continue
             for child_name, child in list(mod.named_children()):
                 child_fqn = f"{fqn}.{child_name}" if fqn else child_name
-                if eligible(child) and keep(child, child_fqn):
+                if not is_plain_linear(child):
+                    continue
+                if keep(child, child_fqn):
                     converted[child_fqn] = AdaHOPLinear.from_float(child, config=config, name=child_fqn)
                     setattr(mod, child_name, converted[child_fqn])
+                else:
+                    refused += 1
+        if not adahop_layers(model) and not isinstance(model, AdaHOPLinear):
+            _warn_nothing_converted(model, refused)
     if config.quantized_all_gather:  # (imported here: torch.distributed's FSDP2, for this option only)
         from adahop.quantized_all_gather import install
 

@@ -89,8 +89,8 @@ def _load_hf(spec: str, folder: Path) -> Subject:
 
 def _load_run(spec: str, run: Path) -> Subject:
     from adahop.data.corpus import load_corpus
-    from adahop.train.checkpoint import latest_checkpoint, load_training_checkpoint
-    from adahop.train.run import build_model
+    from adahop.train.checkpoint import latest_checkpoint, load_model_state, load_training_checkpoint
+    from adahop.train.run import build_model, check_run_corpus
     from adahop.train.trainer import TrainConfig
 
     config = run / "config.json"
@@ -105,10 +105,11 @@ def _load_run(spec: str, run: Path) -> Subject:
         raise ValueError(f"{run} has no checkpoint (checkpoints/ is empty or missing)")
     state = load_training_checkpoint(found)
     corpus = load_corpus(cfg.corpus_dir)
+    check_run_corpus(run, cfg, corpus)
     model = build_model(cfg, corpus.vocab_size)
     # the trained model's converted layers carry extra state (modes, votes); the plain model has none
     weights = {k: v for k, v in state["model"].items() if not k.endswith("._extra_state")}
-    model.load_state_dict(weights)
+    load_model_state(model, weights, found)
     info = _info(spec, f"{run.name} ({cfg.model_size}, {cfg.recipe}, step {state['step']})", model)
     info.update(checkpoint=found.name, recipe=cfg.recipe)
     return Subject(model.eval(), cfg.seq_len, info, corpus=corpus)

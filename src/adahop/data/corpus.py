@@ -251,8 +251,9 @@ def build_corpus(
     check_tokenizer_available(tokenizer)
     kind, vocab = parse_tokenizer_spec(tokenizer)
     spec = f"bpe-{vocab}" if kind == "bpe" else kind
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if not 0.0 < val_fraction < 1.0:  # 0: no held-out text, which every training run evaluates on
+        raise ValueError(f"val_fraction must be in (0, 1) (the share of documents held out for evaluation, which "
+                         f"adahop train needs), got {val_fraction}")
     out = ensure_writable_dir(out_dir, "the corpus folder", create=False)  # before any download
     manifest_path = out / MANIFEST
     old_files = _old_shard_files(manifest_path)  # a rebuild deletes them: checked before any download

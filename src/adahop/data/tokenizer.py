@@ -176,7 +176,11 @@ class BPETokenizer(Tokenizer):
     @classmethod
     def from_file(cls, path: str | os.PathLike, name: str | None = None) -> BPETokenizer:
         tk = _require_tokenizers()
-        return cls(tk.Tokenizer.from_file(str(path)), name=name)
+        try:
+            tok = tk.Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a damaged file
+            raise ValueError(f"{path} is not a tokenizer file the tokenizers library reads: {e}") from None
+        return cls(tok, name=name)
 
     @property
     def name(self) -> str:

@@ -237,12 +237,25 @@ def _hf_config(raw: dict, path: Path, max_seq_len: int | None) -> LlamaConfig:
     )
 
 
+def _json_object(path: Path) -> dict:
+    """The JSON object in ``path``; a damaged file (not JSON, not an object) is a ValueError naming it."""
+    try:
+        value = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
 def _hf_files(folder: Path) -> list[Path]:
     """The safetensors files of ``folder``; the index's names are checked to be plain file names
     in it (``safe_paths``) before any is opened."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no weight_map (an object of tensor name -> file name)")
         files = sorted({file_in(folder, f, f"{index} (weight_map)") for f in weight_map.values()})
     elif (folder / "model.safetensors").is_file():
         files = [folder / "model.safetensors"]
@@ -265,19 +278,22 @@ def load_hf_llama(folder: str | os.PathLike, *, max_seq_len: int | None = None) 
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ValueError(f"no Hugging Face checkpoint at {folder} (missing config.json)")
-    cfg = _hf_config(json.loads(config_path.read_text()), config_path, max_seq_len)
+    cfg = _hf_config(_json_object(config_path), config_path, max_seq_len)
     state, unknown = {}, []
     for file in _hf_files(folder):
-        with safetensors.safe_open(str(file), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                name = _hf_param_name(key, cfg.n_layers)
-                if name is None:
-                    if not key.endswith("rotary_emb.inv_freq"):  # older checkpoints saved RoPE's buffer
-                        unknown.append(key)
-                    continue
-                if name == "output.weight" and cfg.tie_embeddings:
-                    continue  # some tied checkpoints store the head too; it is the embedding
-                state[name] = f.get_tensor(key).float()
+        try:
+            with safetensors.safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    name = _hf_param_name(key, cfg.n_layers)
+                    if name is None:
+                        if not key.endswith("rotary_emb.inv_freq"):  # older checkpoints saved RoPE's buffer
+                            unknown.append(key)
+                        continue
+                    if name == "output.weight" and cfg.tie_embeddings:
+                        continue  # some tied checkpoints store the head too; it is the embedding
+                    state[name] = f.get_tensor(key).float()
+        except safetensors.SafetensorError as e:  # a truncated or foreign file
+            raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
     if unknown:
         raise ValueError(f"{folder}: tensors adahop's Llama has no place for: {sorted(unknown)[:5]}"
                          f"{' ...' if len(unknown) > 5 else ''} (biases, extra norms or another architecture)")
@@ -323,6 +339,25 @@ def load_init(init: str, *, max_seq_len: int | None = None) -> Llama:
     if path.suffix == ".gguf":
         return load_gguf_llama(path, max_seq_len=max_seq_len)
     return load_hf_llama(path, max_seq_len=max_seq_len)
+
+
+def init_tokenizer(init: str):
+    """``(tokenizer, None)``: the tokenizer that comes with the pretrained model ``init`` names (a
+    ``.gguf`` file's own, a Hugging Face folder's ``tokenizer.json``), or ``(None, why)`` where it
+    has none this code can read. (SmolLM2's is the corpus tokenizer ``"smollm2"``, known by name.)"""
+    path = Path(init).expanduser()
+    if path.suffix == ".gguf":
+        try:
+            return read_gguf_tokenizer(open_gguf(path), path, name=path.stem), None
+        except (ValueError, ImportError) as e:
+            return None, str(e)
+    tok_file = path / "tokenizer.json"
+    if not tok_file.is_file():
+        return None, f"{path} has no tokenizer.json"
+    try:
+        return BPETokenizer.from_file(tok_file, name=f"hf:{path.name}"), None
+    except (ValueError, ImportError) as e:
+        return None, str(e)
 
 
 # --------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ names (and the name in ``latest``) must be plain names in their folder (``adahop
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -81,10 +82,40 @@ def save_checkpoint(folder: str | os.PathLike, step: int, state: dict, *, keep: 
     but the ``keep`` newest checkpoints."""
     folder = Path(folder)
     path = folder / f"step_{step:09d}.pt"
-    atomic_write(path, lambda f: torch.save(state, f))
+    save_torch(path, state)
     atomic_write_bytes(folder / LATEST, path.name.encode())
     prune_checkpoints(folder, keep)
     return path
+
+
+def save_torch(path: Path, obj) -> None:
+    """``torch.save(obj)`` into ``path``, atomically. torch's own writer reports a write that
+    failed (a full disk: short writes) as a RuntimeError; it becomes an OSError naming the file."""
+    def write(f):
+        try:
+            torch.save(obj, f)
+        except RuntimeError as e:
+            raise OSError(errno.EIO, f"torch.save failed ({_first_line(e)}); is the disk full?", str(path)) from e
+
+    atomic_write(path, write)
+
+
+def _first_line(e: BaseException) -> str:
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+
+
+def load_model_state(model: torch.nn.Module, state_dict: dict, source) -> None:
+    """``model.load_state_dict(state_dict)``; a checkpoint that does not fit the model (other
+    parameter names or shapes: e.g. the run's ``--init`` folder changed since it was written) is a
+    ValueError naming ``source`` and the first mismatch, not torch's RuntimeError."""
+    try:
+        model.load_state_dict(state_dict)
+    except RuntimeError as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        detail = lines[1] if len(lines) > 1 else lines[0] if lines else type(e).__name__
+        detail = detail if len(detail) <= 300 else detail[:300] + " ..."
+        more = f" (and {len(lines) - 2} more)" if len(lines) > 2 else ""
+        raise ValueError(f"{source} does not fit the model: {detail}{more}") from None
 
 
 def prune_checkpoints(folder: Path, keep: int) -> None:
@@ -174,9 +205,14 @@ def save_sharded(folder: str | os.PathLike, step: int, *, model, optimizer, stat
             shutil.rmtree(leftover)
     par.barrier()
     osd = get_optimizer_state_dict(model, optimizer)
-    dcp.save({"model": _tensors(get_model_state_dict(model)), "optim": osd["state"]},
-             storage_writer=dcp.FileSystemWriter(str(tmp)))
-    atomic_write(rank_file(tmp, par.rank), lambda f: torch.save(rank_state, f))
+    try:
+        dcp.save({"model": _tensors(get_model_state_dict(model)), "optim": osd["state"]},
+                 storage_writer=dcp.FileSystemWriter(str(tmp)))
+    except dcp.api.CheckpointException as e:  # a BaseException: it would escape every handler
+        exc = first_failure(e)
+        raise OSError(getattr(exc, "errno", None) or errno.EIO, f"{type(exc).__name__}: {_first_line(exc)}",
+                      getattr(exc, "filename", None) or str(tmp)) from None
+    save_torch(rank_file(tmp, par.rank), rank_state)
     if par.is_main:
         meta = {"format": SHARDED_FORMAT, "format_version": SHARDED_VERSION, "world_size": par.world, **state}
         atomic_write_bytes(tmp / SHARDED_STATE, (json.dumps(meta, indent=1) + "\n").encode())
@@ -233,14 +269,25 @@ def _safe_reader(path: Path):
 
     class SafeReader(dcp.FileSystemReader):
         def read_metadata(self, *args, **kwargs):
+            from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
             try:
                 with open(Path(self.path) / ".metadata", "rb") as f:
                     metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
-            except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
-                raise ValueError(f"cannot read {path}/.metadata: {e}") from None
-            for info in (getattr(metadata, "storage_data", None) or {}).values():  # the files tensors are read from
-                file_in(path, getattr(info, "relative_path", None), f"{path}/.metadata (a tensor's file)")
-            from torch.distributed.checkpoint.metadata import StorageMeta
+            except Exception as e:  # a damaged file fails in any of pickle's ways
+                raise ValueError(f"cannot read {path}/.metadata: {type(e).__name__}: {e}") from None
+            if not isinstance(metadata, Metadata):
+                raise ValueError(f"{path}/.metadata holds a {type(metadata).__name__}, not a checkpoint's metadata")
+            ends: dict[Path, int] = {}  # each file tensors are read from -> the end of its last byte range
+            for info in (metadata.storage_data or {}).values():
+                file = file_in(path, getattr(info, "relative_path", None), f"{path}/.metadata (a tensor's file)")
+                ends[file] = max(ends.get(file, 0), int(info.offset) + int(info.length))
+            for file, end in sorted(ends.items()):  # checked here: dcp's own read errors carry no file name
+                if not file.is_file():
+                    raise ValueError(f"{file} is missing (the sharded checkpoint's .metadata reads tensors from it)")
+                if file.stat().st_size < end:
+                    raise ValueError(f"{file} is truncated: {file.stat().st_size} bytes, where the checkpoint's "
+                                     f".metadata reads up to byte {end}")
 
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
@@ -248,6 +295,30 @@ def _safe_reader(path: Path):
             return metadata
 
     return SafeReader(str(path))
+
+
+def first_failure(e) -> BaseException:
+    """The exception of the lowest rank in a ``CheckpointException`` (``failures``: rank ->
+    (exception, traceback)), or ``e`` itself."""
+    failures = getattr(e, "failures", None) or {}
+    for rank in sorted(failures):
+        found = failures[rank]
+        return found[0] if isinstance(found, tuple) else found
+    return e
+
+
+def damaged_sharded_checkpoint(path: Path, e: BaseException) -> ValueError:
+    """One line for a sharded checkpoint that cannot be read (a ``.distcp`` part missing or
+    truncated, ``.metadata`` garbage), naming the file: torch.distributed.checkpoint reports it
+    as a ``CheckpointException`` holding every rank's traceback."""
+    exc = first_failure(e)
+    if isinstance(exc, ValueError) and str(path) in str(exc):  # ours (the .metadata reader): it names the file
+        return ValueError(_first_line(exc))
+    if isinstance(exc, OSError) and exc.filename:
+        return ValueError(f"cannot read the sharded checkpoint {path}: {exc.filename}: {exc.strerror or exc}")
+    # (torch's first sentence only: the rest of its load errors advises weights_only=False)
+    return ValueError(f"cannot read the sharded checkpoint {path}: a .distcp part is damaged "
+                      f"({type(exc).__name__}: {_first_line(exc).split('. ')[0][:200]})")
 
 
 def load_sharded(path: str | os.PathLike, *, model, optimizer, par) -> dict:
@@ -267,10 +338,14 @@ def load_sharded(path: str | os.PathLike, *, model, optimizer, par) -> dict:
     meta = read_sharded_state(path)
     msd = _tensors(get_model_state_dict(model))
     osd = get_optimizer_state_dict(model, optimizer)  # initialises the state: its tensors are loaded into
+    reader = _safe_reader(path)
+    reader.read_metadata()  # a damaged .metadata or part file: one ValueError naming it, before dcp.load
     try:
-        dcp.load({"model": msd, "optim": osd["state"]}, storage_reader=_safe_reader(path))
+        dcp.load({"model": msd, "optim": osd["state"]}, storage_reader=reader)
     except (RuntimeError, KeyError) as e:  # missing keys, other shapes
-        raise ValueError(f"{path} does not fit this model: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        raise ValueError(f"{path} does not fit this model: {type(e).__name__}: {_first_line(e)}") from None
+    except dcp.api.CheckpointException as e:  # a rank's read failed; a BaseException, which no handler takes
+        raise damaged_sharded_checkpoint(path, e) from None
     set_model_state_dict(model, msd)
     set_optimizer_state_dict(model, optimizer, osd)
     source = par.rank if meta["world_size"] == par.world else 0

@@ -33,7 +33,7 @@ def compare_runs(run_dirs, plot_path=None) -> str:
     runs of one recipe (two seeds, say) are two rows and two curves."""
     from adahop.train.plot import plot_loss_curves
 
-    rows, curves, calibration, phases = [], {}, {}, {}
+    rows, curves, calibration, phases, seeds = [], {}, {}, {}, {}
     for d, label in zip(run_dirs, run_labels(run_dirs)):
         d = Path(d)
         try:
@@ -42,6 +42,7 @@ def compare_runs(run_dirs, plot_path=None) -> str:
             raise ValueError(f"{d / 'config.json'} is not a run config of adahop train: {e}") from None
         log = read_log(d)
         curves[label] = [r for r in log if "loss" in r]
+        seeds[label] = cfg.seed
         calibration[label] = cfg.adahop.calibration_steps if cfg.adahop.adaptive else None
         switch = next((r for r in log if "bf16_phase" in r), None)  # where the run's BF16 phase began
         if switch is not None:
@@ -62,10 +63,22 @@ def compare_runs(run_dirs, plot_path=None) -> str:
         speed = f"{steady / baseline[5]:.2f}x" if baseline is not None and baseline[5] and steady else "-"
         lines.append(f"| {label} | {recipe} | {steps} | {loss:.4f} | {gap} | {tps or 0:.0f} | {steady or 0:.0f} "
                      f"| {speed} | {mem_s} |")
+    notes = seed_notes(seeds, baseline[0]) if baseline is not None else {}
+    if notes:
+        lines.append(f"\nseeds differ from the bf16 run {baseline[0]}'s (seed {seeds[baseline[0]]}): "
+                     + ", ".join(f"{label} ({note})" for label, note in notes.items())
+                     + "; their gap to bf16 also holds the seeds' difference (not a paired one)")
     table = "\n".join(lines)
     if plot_path:
         plot_loss_curves(curves, plot_path, title="training loss by run",
                          baseline=baseline[0] if baseline is not None else None,
                          calibration_steps=max((c for c in calibration.values() if c), default=None),
-                         bf16_phases=phases)
+                         bf16_phases=phases, notes=notes)
     return table
+
+
+def seed_notes(seeds: dict[str, int], baseline: str) -> dict[str, str]:
+    """A note per run whose seed is not the ``baseline`` run's: its difference to the baseline
+    is then not a paired one (other initialisation, data order and rounding streams)."""
+    return {label: f"seed {seed} vs {seeds[baseline]}" for label, seed in seeds.items()
+            if label != baseline and seed != seeds[baseline]}

@@ -26,7 +26,9 @@ does the few things data parallelism adds to the trainer:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
+import json
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -120,6 +122,53 @@ def _timeout() -> timedelta | None:
         return timedelta(seconds=float(text))
     except ValueError:
         raise ValueError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds") from None
+
+
+# ---- the same settings on every rank -----------------------------------------------------------------
+# Settings a rank may hold on its own: they change what it shows, not what the run computes.
+RANK_LOCAL_SETTINGS = ("progress",)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """Nested dicts as one dict of dotted names (``adahop.seed``)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def settings_differences(configs: list[dict]) -> dict[str, list]:
+    """The settings (dotted names) whose values differ between the ranks' ``configs``, each with
+    every rank's value (None where a rank has no such setting)."""
+    flat = [_flat(c) for c in configs]
+    names = sorted({k for f in flat for k in f} - set(RANK_LOCAL_SETTINGS))
+    return {k: [f.get(k) for f in flat] for k in names if len({json.dumps(f.get(k), default=str) for f in flat}) > 1}
+
+
+def check_same_settings(config: dict, world: int) -> None:
+    """Every rank of the process group was given the same ``config`` (a run config as plain
+    data, ``TrainConfig.to_dict``): the ranks all-gather a hash of it, and on a difference the
+    configs, and every rank raises ``RankMismatchError`` naming the settings that differ. Ranks
+    started with other settings (another --lr, --seed, --steps or --out) would otherwise train on
+    as if one run, or stop in a collective that the others never reach."""
+    import torch.distributed as dist
+
+    text = json.dumps({k: v for k, v in config.items() if k not in RANK_LOCAL_SETTINGS}, sort_keys=True, default=str)
+    digests = [None] * world
+    dist.all_gather_object(digests, hashlib.sha256(text.encode()).hexdigest())
+    if len(set(digests)) == 1:
+        return
+    configs = [None] * world
+    dist.all_gather_object(configs, json.loads(text))
+    diffs = settings_differences(configs)
+    said = "; ".join(f"{k}: " + ", ".join(f"rank {r} {v!r}" for r, v in enumerate(values))
+                     for k, values in list(diffs.items())[:6])
+    more = f"; and {len(diffs) - 6} more" if len(diffs) > 6 else ""
+    raise RankMismatchError(f"the ranks were started with different settings ({said}{more}): start every rank "
+                            "with the same command line")
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -217,6 +266,11 @@ class Parallel:
         if failed:
             r, m = failed[0]
             raise StoppedByAnotherRank(f"rank {r} stopped the run: {m}")
+
+    def check_same_settings(self, config: dict) -> None:
+        """``check_same_settings`` of every rank's run config (nothing in one process)."""
+        if self.distributed:
+            check_same_settings(config, self.world)
 
     def check_batch(self, batch_size: int, calibration_micro_batches: int = 1) -> None:
         check_split(batch_size, self.world, calibration_micro_batches)

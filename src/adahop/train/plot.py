@@ -49,65 +49,99 @@ def moving_average(values, k: int) -> list[float]:
     return out
 
 
-def plot_loss_curves(runs: dict[str, list[dict]], path: str | os.PathLike, *, title: str = "", smooth: int = 10,
-                     baseline: str | None = None, gap_smooth: int = 50, calibration_steps: int | None = None,
-                     bf16_phases: dict[str, tuple[int, str]] | None = None) -> Path:
+LINESTYLES = ("-", (0, (5, 2)), (0, (1, 1.5)), (0, (5, 2, 1, 2)))  # solid, dashed, dotted, dash-dot
+
+
+def run_styles(n: int) -> list[tuple[tuple[float, ...], object]]:
+    """A (colour, line style) per run, no two alike: matplotlib's ten default colours up to ten
+    runs; beyond, evenly spaced colours of a colormap (tab20 up to 20 runs, then turbo), with the
+    line style cycling so that neighbouring colours differ in the dash too."""
+    plt = pyplot("plotting")
+    if n <= 10:
+        colors = [plt.get_cmap("tab10")(i) for i in range(n)]
+    elif n <= 20:
+        cmap = plt.get_cmap("tab20")
+        colors = [cmap(i) for i in range(n)]
+    else:
+        cmap = plt.get_cmap("turbo")
+        colors = [cmap(0.05 + 0.9 * i / (n - 1)) for i in range(n)]
+    return [(tuple(c), LINESTYLES[0] if n <= 10 else LINESTYLES[i % len(LINESTYLES)]) for i, c in enumerate(colors)]
+
+
+def plot_loss_curves(runs: dict[str, list[dict]], path: str | os.PathLike, **kwargs) -> Path:
+    """``loss_curve_figure(runs, **kwargs)`` written to ``path`` (PNG)."""
+    fig = loss_curve_figure(runs, **kwargs)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return save_figure(fig, path)  # (tight_layout there makes room for the lower panel's two-line y-label)
+
+
+def loss_curve_figure(runs: dict[str, list[dict]], *, title: str = "", smooth: int = 10,
+                      baseline: str | None = None, gap_smooth: int = 50, calibration_steps: int | None = None,
+                      bf16_phases: dict[str, tuple[int, str]] | None = None, notes: dict[str, str] | None = None):
     """``runs``: name -> training log records (``step``, ``loss``). Draws the raw loss faintly and
-    a moving average of ``smooth`` steps on top (the legend says which is which). With
-    ``baseline`` (a name in ``runs``), a lower panel shows every other run's loss minus the
-    baseline's at the steps both logged, averaged over ``gap_smooth`` steps. With
-    ``calibration_steps``, the BF16 calibration window (steps 1 to that) is shaded. With
-    ``bf16_phases`` (name -> (steps done at the switch, the GEMMs switched)), a dashed line in the
-    run's colour marks where its BF16 phase began. Writes ``path`` (PNG)."""
+    a moving average of ``smooth`` steps on top (the legend, right of the panels, says which is
+    which). With ``baseline`` (a name in ``runs``), a lower panel shows every other run's loss
+    minus the baseline's at the steps both logged, averaged over ``gap_smooth`` steps; ``notes``
+    (name -> text) go beside a run's name in that panel's legend (e.g. that its seed is not the
+    baseline's, so the difference is not a paired one). With ``calibration_steps``, the BF16
+    calibration window (steps 1 to that) is shaded. With ``bf16_phases`` (name -> (steps done at
+    the switch, the GEMMs switched)), a dashed line in the run's colour marks where its BF16
+    phase began. Returns the matplotlib figure."""
     if baseline is not None and baseline not in runs:
         raise ValueError(f"baseline {baseline!r} is not one of the runs {list(runs)}")
     plt = pyplot("plotting")
+    notes = notes or {}
 
     curves = {name: dict((r["step"], r["loss"]) for r in records if "loss" in r) for name, records in runs.items()}
     with_gap = baseline is not None and len(runs) > 1
     if with_gap:
-        fig, (ax, ax_gap) = plt.subplots(2, 1, figsize=(8, 7.5), dpi=120, sharex=True,
+        fig, (ax, ax_gap) = plt.subplots(2, 1, figsize=(11, 7.5), dpi=120, sharex=True,
                                          gridspec_kw={"height_ratios": [3, 2]})
     else:
-        fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    for i, (name, curve) in enumerate(curves.items()):
+        fig, ax = plt.subplots(figsize=(11, 5), dpi=120)
+    styles = dict(zip(curves, run_styles(len(curves))))
+    for name, curve in curves.items():
         if not curve:
             continue
         steps, losses = zip(*sorted(curve.items()))
-        color = f"C{i % 10}"
+        color, dash = styles[name]
         ax.plot(steps, losses, color=color, alpha=0.25, linewidth=0.8)
-        ax.plot(steps, moving_average(losses, max(1, smooth)), color=color, linewidth=1.6, label=name)
+        ax.plot(steps, moving_average(losses, max(1, smooth)), color=color, linestyle=dash, linewidth=1.6,
+                label=name)
         if with_gap and name != baseline:
             both = sorted(set(curve) & set(curves[baseline]))
             if both:
                 diff = [curve[s] - curves[baseline][s] for s in both]
-                ax_gap.plot(both, moving_average(diff, max(1, gap_smooth)), color=color, linewidth=1.4, label=name)
+                label = f"{name} ({notes[name]})" if name in notes else name
+                ax_gap.plot(both, moving_average(diff, max(1, gap_smooth)), color=color, linestyle=dash,
+                            linewidth=1.4, label=label)
     if calibration_steps:
         for a in (ax, ax_gap) if with_gap else (ax,):
             a.axvspan(0, calibration_steps, color="0.85", zorder=0)
         ax.plot([], [], color="0.85", linewidth=6,
                 label=f"adaptive recipes: BF16 calibration, steps 1-{calibration_steps}")
-    for i, name in enumerate(curves):
+    for name in curves:
         if name in (bf16_phases or {}):
             step, gemms = bf16_phases[name]
             for a in (ax, ax_gap) if with_gap else (ax,):
-                a.axvline(step, color=f"C{i % 10}", linestyle="--", linewidth=1.0)
-            ax.plot([], [], color=f"C{i % 10}", linestyle="--", linewidth=1.0,
+                a.axvline(step, color=styles[name][0], linestyle="--", linewidth=1.0)
+            ax.plot([], [], color=styles[name][0], linestyle="--", linewidth=1.0,
                     label=f"{name}: {gemms} in BF16 from step {step + 1}")
     ax.plot([], [], color="0.4", alpha=0.25, linewidth=0.8, label="faint: loss of each step")
     ax.plot([], [], color="0.4", linewidth=1.6, label=f"solid: {smooth}-step moving average")
     ax.set_ylabel("training loss (nats/token)")
     ax.set_title(title or "training loss")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    # the legends right of the panels, never over the curves (save_figure's tight bounding box
+    # widens the PNG to hold them)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     if with_gap:
         ax_gap.axhline(0.0, color="black", linewidth=0.8)
         ax_gap.set_ylabel(f"loss minus {baseline}\n({gap_smooth}-step mean)")
         ax_gap.set_xlabel("step")
         ax_gap.grid(alpha=0.3)
-        ax_gap.legend(fontsize=8)
+        ax_gap.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     else:
         ax.set_xlabel("step")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return save_figure(fig, path)  # (tight_layout there makes room for the lower panel's two-line y-label)
+    return fig

@@ -39,6 +39,7 @@ from adahop.schedule import PrecisionSchedule
 from adahop.train.checkpoint import (
     is_sharded,
     latest_checkpoint,
+    load_model_state,
     load_sharded,
     load_training_checkpoint,
     read_sharded_state,
@@ -388,6 +389,7 @@ def train(
     try:
         error = None
         try:
+            par.check_same_settings(cfg.to_dict())  # one rank's other --lr or --out: every rank stops here
             par.check_batch(cfg.batch_size, cfg.calibration_micro_batches)
             if par.is_main:  # one owner of the folder; the other ranks write only their checkpoint parts
                 lock = RunLock(out).acquire()
@@ -498,7 +500,7 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
     if state is not None and par.distributed:
         start_step = _load_sharded_state(model, opt, train_batches, found, par)
     elif state is not None:
-        model.load_state_dict(state["model"])
+        load_model_state(model, state["model"], found)
         opt.load_state_dict(state["optimizer"])
         train_batches.load_state_dict(state["data"])
         set_rng_state(state["rng"])
