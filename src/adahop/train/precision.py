@@ -8,15 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from adahop.convert import adahop_layers
-from adahop.policy import GEMMS
-
-# The outer dim each OE mode selects its k high-precision slices from, as a function of the
-# GEMM's (T, N, K) (gemm_geometry: fprop y = x w^T, dgrad dx = g w, wgrad dw = g^T x).
-_OE_OUTER = {
-    ("fprop", "iht+oe_left"): 0, ("fprop", "iht+oe_right"): 1,
-    ("dgrad", "iht+oe_left"): 0, ("dgrad", "iht+oe_right"): 2,
-    ("wgrad", "iht+oe_right"): 2,
-}
+from adahop.gemm_geometry import GEMMS, oe_outer_size
 
 
 def mxfp4_flop_share(model: nn.Module, tokens: int, calibrating: set[str] | None = None,
@@ -50,10 +42,9 @@ def mxfp4_flop_share(model: nn.Module, tokens: int, calibrating: set[str] | None
             mode = mod.modes[gemm]
             if mode == "bf16":
                 continue
-            outer = _OE_OUTER.get((gemm, mode))
+            size = oe_outer_size(gemm, mode, {"T": tokens, "N": n, "K": k})  # OE's slices: high precision
             hp = 0.0
-            if outer is not None:
-                size = (tokens, n, k)[outer]
+            if size is not None:
                 hp = min((mod.oe_ks or {}).get(gemm, mod.config.gemm(gemm).oe_k), size) / size
             low += flops * (1 - hp)
     return low / total if total else 0.0
