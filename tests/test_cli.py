@@ -524,16 +524,27 @@ def test_eval_and_analyze_refuse_a_run_whose_corpus_was_rebuilt(tmp_path, capsys
     one_line_error(capsys, "was trained on another corpus")
 
 
-def test_drift_apply_keeps_the_bf16_phase_and_the_final_modes(corpus, tmp_path):
+@pytest.mark.parametrize("resumed", [False, True])
+def test_drift_apply_keeps_the_bf16_phase_and_the_final_modes(corpus, tmp_path, monkeypatch, resumed):
     """--drift with a BF16 phase (adahop_lv2_tail: the forward BF16 from 82% of the steps): the
     scheduled BF16 forward is not drift (the policy does not choose it), ``apply`` does not undo
     it, and the run's modes.json is the modes of its final checkpoint (the final evaluation's
-    changes would train no step: reported, not kept)."""
+    changes would train no step: reported, not kept). ``resumed``: the run killed at its final
+    evaluation, after its last checkpoint, then resumed (no step left to apply the schedule)."""
+    import adahop.train.run as run_mod
     from adahop.train.checkpoint import latest_checkpoint, load_training_checkpoint
 
     run = tmp_path / "tail"
     args = train_args(corpus, run, recipe="adahop_lv2_tail", steps=10) + [
         "--calibration-steps", "2", "--drift", "apply"]
+    if resumed:
+        def killed(*a, **kw):
+            raise KeyboardInterrupt
+
+        with monkeypatch.context() as m:
+            m.setattr(run_mod, "drift_of", killed)
+            assert cli.main(args) != 0
+        assert latest_checkpoint(run / "checkpoints").name.endswith("10.pt") and not (run / "modes.json").exists()
     assert cli.main(args) == 0
     records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "bf16_phase" in r] == [8]

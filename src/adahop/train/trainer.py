@@ -627,6 +627,9 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
     eval_result = None
     finished = step == cfg.steps and not stop
     if finished and eval_fn is not None:
+        # (a run resumed at its last step took none here: the layers learn which GEMMs the phase
+        # switched, which drift leaves to it; their modes are switched already)
+        schedule.apply(model, step, cfg.steps)
         # a run killed after its final evaluation was logged, before its summary: not again
         logged = next((r["final_eval"] for r in log.records() if "final_eval" in r and r["step"] == step), None)
         if not par.any(logged is not None):  # every rank evaluates (a sharded model needs them all)
