@@ -5,11 +5,14 @@ with their modes and resumed. Skipped where transformers or accelerate is not in
 
 import importlib.util
 import json
+import os
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -51,10 +54,10 @@ def converted(kind="llama", recipe="adahop_lv2_tail"):
 
 
 def trainer(model, out, callback, save_steps=5, max_steps=STEPS, **kwargs):
-    args = transformers.TrainingArguments(
-        output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4, gradient_accumulation_steps=GRAD_ACCUM,
-        learning_rate=3e-3, bf16=True, use_cpu=True, logging_steps=2, save_steps=save_steps, report_to=[],
-        disable_tqdm=True, seed=0, **kwargs)
+    args = transformers.TrainingArguments(**{
+        "output_dir": str(out), "max_steps": max_steps, "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": GRAD_ACCUM, "learning_rate": 3e-3, "bf16": True, "use_cpu": True,
+        "logging_steps": 2, "save_steps": save_steps, "report_to": [], "disable_tqdm": True, "seed": 0, **kwargs})
     return transformers.Trainer(model=model, args=args, train_dataset=Counting(), callbacks=[callback])
 
 
@@ -63,8 +66,7 @@ def layer_states(model):
             for name, layer in adahop.adahop_layers(model).items()}
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_the_trainer_calibrates_switches_the_phase_and_saves_checkpoints_with_modes(kind, tmp_path):
+def test_the_trainer_calibrates_switches_the_phase_and_saves_checkpoints_with_modes(tmp_path, kind="llama"):
     model, recipe = converted(kind)
     calls = []  # per training forward of one layer: (calibrating, autocast on)
     probe = model.model.layers[0].mlp.up_proj
@@ -109,6 +111,7 @@ def model_logs(state):
 
 
 def test_a_resumed_run_ends_as_the_uninterrupted_one(tmp_path):
+    """(Qwen2: the other family, with biases on q, k, v.)"""
     model, recipe = converted("qwen2")
     trainer(model, tmp_path / "a", AdaHOPCallback(recipe.schedule), save_steps=1).train()
     for resume_at in (1, 5):  # 1: in the middle of the calibration (2 of 3 passes); 5: frozen
@@ -160,3 +163,48 @@ def test_the_example_runs(capsys, tmp_path):
     assert "calibrated after step 2; BF16 phase from step 4" in out  # floor(0.82 * 6) = 4
     assert "checkpoint-6 reloaded with the same modes: True" in out
     assert "model.layers.0.self_attn.q_proj  fprop=bf16" in out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- DDP: 2 gloo processes, the environment torchrun gives (accelerate reads it) ------------------------
+def _ddp_entry(rank, world, port, root):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    model, recipe = converted()
+    result = {}
+    try:
+        trainer(model, Path(root) / "refused", AdaHOPCallback(recipe.schedule), max_steps=4).train()
+    except ValueError as e:
+        result["refused"] = str(e)
+    model, recipe = converted()
+    callback = AdaHOPCallback(recipe.schedule)
+    t = trainer(model, Path(root) / "run", callback, max_steps=4, ddp_broadcast_buffers=False,
+                per_device_train_batch_size=2)
+    t.train()
+    result.update(wrapped=type(t.model_wrapped).__name__, calibrated_at=callback.calibrated_at,
+                  layers=layer_states(model))
+    Path(root, f"result.{rank}.json").write_text(json.dumps(result))
+    torch.distributed.destroy_process_group()
+
+
+def test_under_ddp_the_ranks_merge_their_calibration_and_draw_their_own_rounding(tmp_path):
+    mp.start_processes(_ddp_entry, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    results = [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in range(2)]
+    for r in results:
+        assert r["wrapped"] == "DistributedDataParallel"
+        assert "ddp_broadcast_buffers=False" in r["refused"]
+        # each pass adds both ranks' observations: 2 x 2 >= 3 in the first step (one process: the second)
+        assert r["calibrated_at"] == 1
+        assert all(layer["calibration"]["g"]["votes"] and sum(layer["calibration"]["g"]["votes"].values()) == 4
+                   for layer in r["layers"].values())
+    a, b = (r["layers"] for r in results)
+    frozen = [{n: (x["modes"], x["patterns"]) for n, x in layers.items()} for layers in (a, b)]
+    assert frozen[0] == frozen[1]  # the same modes and patterns on both ranks
+    # 8 passes a rank: rank r draws the calls r, r + 2, ..., r + 14, its counter then r + 15
+    assert {x["calls"] for x in a.values()} == {15} and {x["calls"] for x in b.values()} == {16}
