@@ -59,6 +59,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-bf16", action="store_true", help="float32 in place of bf16 autocast")
     p.add_argument("--out", default=None, help="the Trainer's output_dir (default: a temporary folder)")
     args = p.parse_args(argv)
+    if args.steps < 1 or args.calibration_steps < 1 or args.grad_accum < 1:
+        p.error("--steps, --calibration-steps and --grad-accum must be >= 1")
     try:
         recipe = adahop.recipe(args.recipe, calibration_steps=args.calibration_steps, backend="reference")
         recipe.check_run(args.steps, args.grad_accum)  # the BF16 phase must begin after the calibration

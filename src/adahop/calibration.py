@@ -38,6 +38,11 @@ What it owns (``patterns.calibration`` holds the statistics themselves):
 With one process (no process group, or a group of one) the layers calibrate and freeze on their
 own and only the split is left to do; the same loop runs either way.
 
+A loop that runs its forwards and backwards itself, where no ``split`` can go around them (the
+Hugging Face ``Trainer``, driven from its callbacks: adahop.hf_trainer), calls ``before_pass()``
+before each micro-batch's forward and ``after_pass(step)`` after its backward: the same
+accounting and merge, each micro-batch whole (one part).
+
 A DDP wrapper must not broadcast rank 0's buffers before each forward (``broadcast_buffers=False``,
 ``forward_sync_buffers=False`` from torch 2.13): a layer's SR counter is a buffer and is per rank.
 """

@@ -13,6 +13,9 @@ a converted model. This module's two functions write and read them beside the we
                                                          # (+ adahop_modes.json once calibrated)
     model = from_pretrained(LlamaForCausalLM, "out/")    # converted, with the same modes
 
+``install_save_pretrained(model)`` makes the model's own ``save_pretrained`` do the same, for
+code that calls it (the ``transformers.Trainer``'s checkpoints: ``adahop.hf_trainer``).
+
 Side files rather than the state dict: safetensors cannot hold the extra state, and the modes
 file is ``modes_io``'s format (``adahop train`` writes its ``modes.json`` with ``save_modes``
 too: modes, patterns and a measured policy's OE k), readable and loadable on its own with
