@@ -135,6 +135,18 @@ def test_a_resume_without_the_adahop_state_is_refused_while_calibrating(tmp_path
         trainer(fresh, tmp_path, AdaHOPCallback(recipe.schedule)).train(resume_from_checkpoint=True)
 
 
+def test_a_checkpoint_named_in_the_arguments_is_resumed_from_where_it_lies(tmp_path):
+    model, recipe = converted()
+    trainer(model, tmp_path / "a", AdaHOPCallback(), save_steps=1, max_steps=1).train()  # (mid-calibration)
+    elsewhere = tmp_path / "kept"
+    shutil.move(tmp_path / "a" / "checkpoint-1", elsewhere)
+    fresh, _ = converted()
+    t = trainer(fresh, tmp_path / "b", AdaHOPCallback(), max_steps=2, resume_from_checkpoint=str(elsewhere))
+    t.train(resume_from_checkpoint=str(elsewhere))
+    assert all(layer.calibration.steps == CALIBRATION and not layer.calibrating  # 2 passes restored, 1 more
+               for layer in adahop.adahop_layers(fresh).values())
+
+
 def test_mistakes_are_refused_with_a_clear_error(tmp_path):
     torch.manual_seed(0)
     plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
@@ -147,6 +159,9 @@ def test_mistakes_are_refused_with_a_clear_error(tmp_path):
     enable()
     with pytest.raises(ValueError, match="gradient checkpointing"):
         trainer(model, tmp_path, AdaHOPCallback(recipe.schedule)).train()
+    with pytest.raises(ValueError, match="DataParallel"):  # (several GPUs in one process: no GPU here to make one)
+        AdaHOPCallback._check_args(type("Args", (), dict(n_gpu=2, world_size=1, fsdp="", deepspeed=None,
+                                                         gradient_checkpointing=False))(), plain)
     model, recipe = converted()
     early = adahop.PrecisionSchedule(bf16_phase_start=0.1, bf16_phase_gemms=("fprop",))  # after step 1 of 10
     with pytest.raises(ValueError, match="before the calibration ends"):

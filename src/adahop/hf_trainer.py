@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -89,6 +90,15 @@ def calibration_logs(model: nn.Module) -> dict[str, int]:
     return logs
 
 
+def resumed_folders(args, state) -> list[Path]:
+    """Where a resumed run's checkpoint is: ``args.resume_from_checkpoint`` when it names a folder,
+    then the Trainer's checkpoint of the resumed step (what ``train(resume_from_checkpoint=True)``
+    picks; a path passed to ``train()`` itself is not given to callbacks)."""
+    given = args.resume_from_checkpoint
+    folders = [Path(given)] if isinstance(given, (str, os.PathLike)) and Path(given).is_dir() else []
+    return folders + [checkpoint_folder(args, state)]
+
+
 def checkpoint_folder(args, state) -> Path:
     """The folder of the Trainer's checkpoint at ``state.global_step`` (``output_dir/checkpoint-N``)."""
     return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
@@ -123,7 +133,7 @@ class AdaHOPCallback(TrainerCallback):
         install_save_pretrained(model)  # (again: a callback added after the Trainer's init saw no on_init_end)
         self._check_args(args, model)
         if state.global_step > 0:
-            self._restore(model, checkpoint_folder(args, state), args.world_size)
+            self._restore(model, resumed_folders(args, state), args.world_size)
         self._layers = list(adahop_layers(model).values())
         calibrating = [layer.config.calibration_steps for layer in self._layers if layer.calibrating]
         calibration = max(calibrating) if calibrating else None  # (None: the modes are frozen already)
@@ -152,6 +162,10 @@ class AdaHOPCallback(TrainerCallback):
         if args.fsdp or getattr(args, "deepspeed", None):
             raise ValueError("AdaHOPCallback runs in one process or under DDP; FSDP and DeepSpeed through the Trainer "
                              "are not supported (for FSDP2, see docs/distributed.md: a loop of your own)")
+        if args.n_gpu > 1:
+            raise ValueError(f"the Trainer would run nn.DataParallel over {args.n_gpu} GPUs in one process, whose "
+                             "replicas would share one calibration from several threads; launch one process per GPU "
+                             "(torchrun / accelerate launch: DDP)")
         if args.world_size > 1 and args.ddp_broadcast_buffers is not False:
             raise ValueError("under DDP, pass TrainingArguments(ddp_broadcast_buffers=False): an AdaHOP layer's "
                              "stochastic-rounding counter is a buffer of its own on each rank, which DDP would "
@@ -210,15 +224,18 @@ class AdaHOPCallback(TrainerCallback):
         atomic_write_bytes(folder / STATE_FILE, (json.dumps(meta, indent=1) + "\n").encode())
 
     @staticmethod
-    def _restore(model: nn.Module, folder: Path, world: int) -> None:
+    def _restore(model: nn.Module, folders: list[Path], world: int) -> None:
         """A resumed run: every layer's state from the checkpoint's ``adahop_state.json``, its SR
         counter where this rank's stream goes on (``Calibrator`` reads it)."""
-        file = folder / STATE_FILE
-        if not file.is_file():
+        file = next((f / STATE_FILE for f in folders if (f / STATE_FILE).is_file()), None)
+        if file is None:
             if is_calibrated(model):
                 return  # the modes came with the model (adahop.hf.from_pretrained, load_modes)
-            raise ValueError(f"resuming at a global step > 0 without {file}: the AdaHOP layers would calibrate "
-                             "afresh in the middle of the run; resume from a checkpoint that AdaHOPCallback saved")
+            looked = " or ".join(str(f / STATE_FILE) for f in folders)
+            raise ValueError(f"resuming at a global step > 0 without {looked}: the AdaHOP layers would calibrate "
+                             "afresh in the middle of the run; resume from a "
+                             "checkpoint AdaHOPCallback saved, in output_dir or named by "
+                             "TrainingArguments(resume_from_checkpoint=...)")
         try:
             meta = json.loads(file.read_text())
         except (ValueError, UnicodeDecodeError) as e:
