@@ -1,6 +1,6 @@
 """adahop in the Hugging Face Trainer: convert a transformers Llama, train it with ``Trainer``, reload it.
 
-    python examples/hf_trainer.py                    # a few seconds on a CPU
+    python examples/hf_trainer.py                    # about 10 s on a CPU, imports included
     python examples/hf_trainer.py --family qwen2 --steps 40 --no-bf16
 
 Needs ``pip install "adahop[hf]"`` (transformers, accelerate). The model is a tiny random

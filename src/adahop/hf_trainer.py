@@ -193,8 +193,8 @@ class AdaHOPCallback(TrainerCallback):
             self.calibrated_at = state.global_step + 1  # (the steps done once this one ends)
             logs = calibration_logs(model)
             modes = ", ".join(f"{k.removeprefix('adahop/modes/')}: {n}" for k, n in logs.items() if "/modes/" in k)
-            logger.info("adahop: every layer calibrated in global step %d; layers per GEMM/mode: %s",
-                        state.global_step, modes)
+            logger.info("adahop: every layer calibrated by the end of step %d; layers per GEMM/mode: %s",
+                        self.calibrated_at, modes)
 
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):
         if logs is None or model is None:
