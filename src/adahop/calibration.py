@@ -38,6 +38,11 @@ What it owns (``patterns.calibration`` holds the statistics themselves):
 With one process (no process group, or a group of one) the layers calibrate and freeze on their
 own and only the split is left to do; the same loop runs either way.
 
+A loop that runs its forwards and backwards itself, where no ``split`` can go around them (the
+Hugging Face ``Trainer``, driven from its callbacks: adahop.hf_trainer), calls ``before_pass()``
+before each micro-batch's forward and ``after_pass(step)`` after its backward: the same
+accounting and merge, each micro-batch whole (one part).
+
 A DDP wrapper must not broadcast rank 0's buffers before each forward (``broadcast_buffers=False``,
 ``forward_sync_buffers=False`` from torch 2.13): a layer's SR counter is a buffer and is per rank.
 """
@@ -125,6 +130,7 @@ class Calibrator:
         self._sr_next: dict = {}  # layer -> its next call count n (host side)
         self._sr_checked = False
         self._observed: dict = {}  # layer -> its merged step count after the last merge
+        self._pass_counters: dict | None = None  # the SR counters set by before_pass
         if self.world > 1:
             for layer in self._layers.values():
                 layer.freeze_when_calibrated = False
@@ -151,6 +157,22 @@ class Calibrator:
         if self.distributed and self._step_counts() != self._observed:
             raise ValueError("an AdaHOP layer observed a forward and backward outside step.split(...): under "
                              "data parallelism each one runs inside it, so that the ranks merge what they observe")
+
+    # ---- a loop that runs its forwards and backwards itself --------------------------------------------
+    def before_pass(self) -> None:
+        """Before one forward and backward run whole, in a loop that cannot run them inside
+        ``step().split`` (a ``transformers.Trainer``, driven from its callbacks: adahop.hf_trainer):
+        this rank's SR numbers for the pass, its observations recorded apart. Follow each pass with
+        ``after_pass``. (``micro_batches`` does not apply: a pass is one part.)"""
+        self._pass_counters = self._align_sr_counters()
+        self._observe_apart()
+
+    def after_pass(self, step: int) -> list[str]:
+        """After the backward of a pass begun by ``before_pass``: the ranks' observations merged,
+        the layers whose calibration is complete frozen (returned; in one process the layers
+        freeze themselves, and this returns none). ``step``: the step's number in messages."""
+        self._check_sr_counters(self._pass_counters)
+        return self._merge(step)
 
     def check_modes(self, where: str) -> None:
         """Every rank holds the same modes, patterns and calibration state; else every rank

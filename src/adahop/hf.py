@@ -13,6 +13,9 @@ a converted model. This module's two functions write and read them beside the we
                                                          # (+ adahop_modes.json once calibrated)
     model = from_pretrained(LlamaForCausalLM, "out/")    # converted, with the same modes
 
+``install_save_pretrained(model)`` makes the model's own ``save_pretrained`` do the same, for
+code that calls it (the ``transformers.Trainer``'s checkpoints: ``adahop.hf_trainer``).
+
 Side files rather than the state dict: safetensors cannot hold the extra state, and the modes
 file is ``modes_io``'s format (``adahop train`` writes its ``modes.json`` with ``save_modes``
 too: modes, patterns and a measured policy's OE k), readable and loadable on its own with
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import types
 import warnings
 from pathlib import Path
 
@@ -55,6 +59,18 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
     """``model.save_pretrained(save_directory, **kwargs)`` for a converted model: the weights as
     the model's own method writes them, plus ``adahop_config.json`` (the layers' config and
     names) and, when every layer is calibrated, ``adahop_modes.json``. Returns the folder."""
+    if "state_dict" in kwargs:
+        raise ValueError("save_pretrained writes the model's own state dict; do not pass state_dict")
+    check_savable(model)
+    out = Path(save_directory)
+    type(model).save_pretrained(model, out, state_dict=tensor_state_dict(model), **kwargs)
+    write_adahop_files(model, out)
+    return out
+
+
+def check_savable(model: nn.Module) -> AdaHOPConfig:
+    """The one ``AdaHOPConfig`` of a converted ``transformers`` model's layers (what
+    ``adahop_config.json`` holds); a ValueError for any other model."""
     layers = adahop_layers(model)
     if not layers:
         raise ValueError("the model holds no AdaHOPLinear: save it with its own save_pretrained")
@@ -64,19 +80,48 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
     if len(configs) != 1:
         raise ValueError("the model's AdaHOP layers have different configs; adahop_config.json holds one")
     (config,) = configs.values()
-    if "state_dict" in kwargs:
-        raise ValueError("save_pretrained writes the model's own state dict; do not pass state_dict")
-    out = Path(save_directory)
-    model.save_pretrained(out, state_dict=tensor_state_dict(model), **kwargs)
-    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "adahop": config.to_dict(), "layers": sorted(layers)}
+    return config
+
+
+def write_adahop_files(model: nn.Module, out: str | os.PathLike) -> None:
+    """Write ``adahop_config.json`` and, when every layer is calibrated, ``adahop_modes.json``
+    into ``out`` (a folder the model's weights are written to)."""
+    out = Path(out)
+    config = check_savable(model)
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "adahop": config.to_dict(),
+            "layers": sorted(adahop_layers(model))}
     atomic_write_bytes(out / CONFIG_FILE, (json.dumps(meta, indent=1) + "\n").encode())
     if is_calibrated(model):
         save_modes(model, out / MODES_FILE)
     else:
         (out / MODES_FILE).unlink(missing_ok=True)  # a previous save's modes would not be this model's
         warnings.warn("the model is still calibrating: only its weights are saved, and the loaded model "
-                      "calibrates afresh", stacklevel=2)
-    return out
+                      "calibrates afresh", stacklevel=3)
+
+
+def install_save_pretrained(model: nn.Module) -> nn.Module:
+    """Make a converted model's own ``model.save_pretrained`` save as ``adahop.hf.save_pretrained``
+    does (the weights without the layers' extra state, and the adahop files beside them), so that
+    code that calls it, a ``transformers.Trainer`` saving a checkpoint or ``trainer.save_model``,
+    keeps the modes instead of failing on the extra state. It is set on this model object only
+    (an instance attribute; the class is left alone). ``state_dict``, if given (the Trainer passes
+    one under some parallel setups), is saved without its extra state; the adahop files are
+    written where ``is_main_process`` (default True) holds. Returns ``model``."""
+    check_savable(model)
+    if getattr(model.save_pretrained, "__func__", None) is _save_pretrained_with_modes:
+        return model  # installed already
+
+    model.save_pretrained = types.MethodType(_save_pretrained_with_modes, model)
+    return model
+
+
+def _save_pretrained_with_modes(model: nn.Module, save_directory, *args, state_dict=None, **kwargs):
+    state_dict = tensor_state_dict(model) if state_dict is None else {
+        k: v for k, v in state_dict.items() if not k.endswith("._extra_state")}
+    result = type(model).save_pretrained(model, save_directory, *args, state_dict=state_dict, **kwargs)
+    if kwargs.get("is_main_process", True):
+        write_adahop_files(model, save_directory)
+    return result
 
 
 def read_adahop_config(path: str | os.PathLike) -> tuple[AdaHOPConfig, list[str]] | None:
