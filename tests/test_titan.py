@@ -8,6 +8,7 @@ does not support backward on CPU"): the CPU model here takes torchtitan's
 """
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -165,3 +166,45 @@ def test_trainer_config_and_its_command_line_flags(tmp_path):
                                          "--dump_folder", str(tmp_path)])
     assert isinstance(config, AdaHOPTrainer.Config)
     assert (config.adahop.recipe, config.adahop.calibration_steps, config.training.steps) == ("mxfp4", 2, 20)
+
+
+def test_trainer_runs_each_step_through_the_calibrator(monkeypatch):
+    """AdaHOPTrainer's train_step / forward_backward_step around torchtitan's (which need CUDA to
+    be made: here a trainer without __init__, torchtitan's two methods stood in for)."""
+    from torchtitan.trainer import Trainer
+
+    from adahop.titan.trainer import AdaHOPOptions, AdaHOPTrainer
+
+    model = build("adahop_lv2", calibration_steps=2)
+    seen = []
+
+    def titan_train_step(self, data_iterator):  # torchtitan's: one micro-batch, then the optimizer
+        tokens, positions = next(data_iterator)
+        return self.forward_backward_step(input_dict={"input": tokens, "positions": positions}, labels=tokens,
+                                          global_valid_tokens=torch.tensor(float(tokens.numel())))
+
+    def titan_forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        seen.append(tuple(input_dict["input"].shape))
+        loss = self.model_parts[0](input_dict["input"], input_dict["positions"]).float().pow(2).sum()
+        (loss / global_valid_tokens).backward()
+        return loss.detach() / global_valid_tokens
+
+    monkeypatch.setattr(Trainer, "train_step", titan_train_step)
+    monkeypatch.setattr(Trainer, "forward_backward_step", titan_forward_backward_step)
+    trainer = AdaHOPTrainer.__new__(AdaHOPTrainer)
+    trainer.model_parts = [model]
+    trainer.parallel_dims = SimpleNamespace(pp_enabled=False, dp_enabled=False)
+    trainer.config = SimpleNamespace(adahop=AdaHOPOptions(calibration_micro_batches=2))
+    trainer._calibrator, trainer._calibrator_made, trainer._calibration_step = None, False, None
+    for step in (1, 2, 3):
+        trainer.step = step
+        trainer.train_step(iter([batch(seed=step, rows=4)]))
+    # two calibrating steps, each micro-batch of 4 rows run as 2 parts; then whole
+    assert seen == [(2, 32)] * 4 + [(4, 32)]
+    assert all(not m.calibrating for m in adahop_layers(model).values())
+
+    trainer.parallel_dims = SimpleNamespace(pp_enabled=True, dp_enabled=False)
+    trainer.model_parts = [build("adahop_lv2")]
+    trainer._calibrator_made = False
+    with pytest.raises(ValueError, match="calibrating under pipeline parallelism"):
+        trainer.train_step(iter([batch()]))

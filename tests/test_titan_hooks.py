@@ -88,7 +88,7 @@ def test_is_block_linear_names():
     assert is_block_linear("layers.11.feed_forward.w2")
     assert is_block_linear("layers.3.moe.experts.w1")
     for fqn in ("lm_head", "output", "tok_embeddings", "norm", "layers.0.output", "layers.2.lm_head",
-                "model.layers.0.attention.wo", "layers.x.attention.wo"):
+                "model.layers.0.attention.wo", "layers.x.attention.wo", "layers.1.moe.router.gate"):
         assert not is_block_linear(fqn), fqn
 
 

@@ -6,7 +6,8 @@ spec) -> patterns (detection, calibration) -> policy (strategy tables) -> kernel
 (the dispatch: a registry of backends, reference, triton, hopper_fp8, native_mx) -> config -> layer
 (the plan, the GEMMs, the torch.library ops) -> linear (the module) -> convert, modes_io, drift, hf,
 calibration (the ``Calibrator``), quantized_all_gather (FSDP2), oscillation -> schedule (BF16 phase
-and blocks) -> recipes (numerics + schedule, ``adahop.recipe``); atomic_io (safe file writes) and
+and blocks) -> recipes (numerics + schedule, ``adahop.recipe``) -> titan (torchtitan: imported by
+nothing here, its modules that import torchtitan only on demand); atomic_io (safe file writes) and
 safe_paths below all.
 
 The harness, the ``adahop`` program built on the library and not needed to use it, bottom to top:

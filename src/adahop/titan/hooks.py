@@ -24,10 +24,12 @@ _BLOCK_LINEAR = re.compile(r"^layers\.(\d+)\.")
 def is_block_linear(fqn: str, n_layers: int | None = None, bf16_blocks: tuple[int, int] = (0, 0)) -> bool:
     """Whether the converter turns the linear at ``fqn`` into an AdaHOP linear: a linear of a
     transformer block (``layers.<i>.``), not an LM head by name (``lm_head``, ``output``,
-    ``head``: torchtitan's LM head is the model's ``lm_head``, outside the blocks anyway), and not
-    in the first or last blocks ``bf16_blocks`` keeps in BF16 (``n_layers`` needed then)."""
+    ``head``: torchtitan's LM head is the model's ``lm_head``, outside the blocks anyway), not an
+    MoE router's gate (``...router.gate``: its small GEMM picks the experts, kept exact as the
+    LM head is), and not in the first or last blocks ``bf16_blocks`` keeps in BF16 (``n_layers``
+    needed then)."""
     m = _BLOCK_LINEAR.match(fqn)
-    if m is None or fqn.rsplit(".", 1)[-1] in LM_HEAD_NAMES:
+    if m is None or fqn.rsplit(".", 1)[-1] in LM_HEAD_NAMES or ".router." in f".{fqn}.":
         return False
     first, last = bf16_blocks
     if first or last:

@@ -67,6 +67,7 @@ class AdaHOPTrainer(Trainer):
         self.adahop_hook = AdaHOPHook(r.schedule, config.training.steps, modes_file, calibrator=True)
         spec.post_optimizer_build_fn = _chain(spec.post_optimizer_build_fn, self.adahop_hook)
         self._calibrator: Calibrator | None = None
+        self._calibrator_made = False
         self._calibration_step = None
         super().__init__(config)
 
@@ -82,8 +83,9 @@ class AdaHOPTrainer(Trainer):
         return Calibrator(self.model_parts[0], group, micro_batches=self.config.adahop.calibration_micro_batches)
 
     def train_step(self, data_iterator):
-        if self._calibrator is None and not self.parallel_dims.pp_enabled:
+        if not self._calibrator_made:
             self._calibrator = self._make_calibrator()
+            self._calibrator_made = True
         if self._calibrator is None or (not self._calibrator.distributed and is_calibrated(self.model_parts[0])):
             return super().train_step(data_iterator)  # (nothing left for it to do in one process)
         with self._calibrator.step(self.step) as self._calibration_step:
