@@ -6,17 +6,20 @@ NVFP4 converters plug in) rewrites that tree before the model is built. ``AdaHOP
 puts an ``AdaHOPTitanLinear`` config in place of each ``Linear`` config of the transformer
 blocks (the LM head ``lm_head``, the embeddings and the norms stay as they are), naming each
 layer by its module fqn (the layer's stochastic-rounding seed and per-layer modes go by name).
-The parameters keep torchtitan's names: a stock checkpoint loads into the converted model and
-the converted model's weights load into a stock one (the AdaHOP layers add only their
-``_extra_state``: calibration, modes, the SR call counter).
+The state dict is the stock model's, key for key (no ``_extra_state``: torchtitan's
+checkpointer holds tensors only): a stock checkpoint loads into the converted model and the
+converted model's into a stock one; the calibrated modes are kept in a file instead.
 
-The precision schedule runs through ``ModelSpec.post_optimizer_build_fn``
-(``ScheduleHook``): an optimizer step pre-hook that calls ``PrecisionSchedule.apply`` before
-each step. ``adahop.titan.config_registry`` holds the trainer configs that wire both, for
+The precision schedule and the modes run through ``ModelSpec.post_optimizer_build_fn``
+(``AdaHOPHook``): an optimizer step pre-hook that calls ``PrecisionSchedule.apply`` before each
+step, and a post-hook that writes the calibrated modes beside the checkpoints.
+``adahop.titan.trainer.AdaHOPTrainer``, torchtitan's ``Trainer`` with ``--adahop.*`` flags,
+wires both from the final config and runs each step through an ``adahop.Calibrator`` (data
+parallelism); ``adahop.titan.config_registry`` holds its configs, for
 ``torchtitan.train --module adahop.titan --config llama3_debugmodel_adahop`` (docs/torchtitan.md).
 
-This package imports no torchtitan (``hooks`` is torchtitan-free); ``adahop.titan.linear`` and
-``adahop.titan.config_registry`` do, and adahop never imports them itself.
+This package imports no torchtitan (``hooks`` is torchtitan-free); ``adahop.titan.linear``,
+``trainer`` and ``config_registry`` do, and adahop never imports them itself.
 """
 
 from adahop.titan.hooks import AdaHOPHook, is_block_linear, optimizer_step
