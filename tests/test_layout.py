@@ -2,7 +2,7 @@
 
 Two parts. The library is what a user's own training loop imports (formats, gemm_geometry,
 transforms, patterns, policy, kernels, ops, config, layer, linear, shared_input, convert,
-modes_io, drift, hf, calibration, quantized_all_gather, oscillation, schedule, recipes, hf_trainer,
+modes_io, drift, hf, calibration, quantized_all_gather, oscillation, schedule, recipes, hf_trainer, titan,
 atomic_io, safe_paths: every top-level module or package not in ``HARNESS``). The harness is
 what ``adahop`` the program adds around it, the packages of ``HARNESS``, bottom to top. The rules:
 

@@ -7,7 +7,8 @@ spec) -> patterns (detection, calibration) -> policy (strategy tables) -> kernel
 (the plan, the GEMMs, the torch.library ops) -> linear (the module) -> convert, modes_io, drift, hf,
 calibration (the ``Calibrator``), quantized_all_gather (FSDP2), oscillation -> schedule (BF16 phase
 and blocks) -> recipes (numerics + schedule, ``adahop.recipe``) and hf_trainer (the Hugging Face
-Trainer's callback; imported on its own, it needs transformers); atomic_io (safe file writes) and
+Trainer's callback; imported on its own, it needs transformers) and titan (torchtitan: imported by
+nothing here, its modules that import torchtitan only on demand); atomic_io (safe file writes) and
 safe_paths below all.
 
 The harness, the ``adahop`` program built on the library and not needed to use it, bottom to top:
