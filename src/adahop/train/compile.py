@@ -40,8 +40,10 @@ seen so far in this process, times the number of such sets (``_recompile_budget`
 to Dynamo, another function, and gets what one function gets (its dynamic-shape and
 ``no_grad`` variants). The limit is set around the compiled call, where Dynamo reads it (when a
 frame misses its guards), and nowhere else: other compiled code in the process keeps Dynamo's
-limits. The sets grow at the freeze after calibration (eager before: no graph) and at a change of
-modes late in training (the BF16 phase), and are bounded by the blocks and the changes of modes.
+limits. (``torch.compile(recompile_limit=...)``, torch 2.13, fixes it at compile time, before
+calibration has chosen the modes; it sets the same config around the region's compiles.) The
+sets grow at the freeze after calibration (eager before: no graph) and at a change of modes late
+in training (the BF16 phase), and are bounded by the blocks and the changes of modes.
 """
 
 from __future__ import annotations
