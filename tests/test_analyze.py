@@ -406,3 +406,32 @@ def test_measure_drift_sees_a_planted_change_and_leaves_training_alone():
     assert target.modes["fprop"] == drift["changed"][name]["modes"]["fprop"][1] and target.patterns["w"] == "row"
     with pytest.raises(ValueError, match="needs a calibrated adaptive model"):
         measure_drift(nn.Sequential(nn.Linear(4, 4)), [])
+
+
+def test_drift_leaves_the_bf16_phase_to_the_schedule():
+    """Once a BF16 phase switched the forward (``apply_bf16_phase``), its BF16 is the schedule's:
+    re-measuring does not report it against the policy's mode, and ``apply`` keeps it (and no
+    OE k for it) while the other GEMMs follow the new decision. A forward set back to MXFP4
+    afterwards is the policy's again."""
+    from adahop.schedule import apply_bf16_phase
+
+    torch.manual_seed(0)
+    model = TinyLM(d=64, layers=1, heads=2, seq_len=64)
+    cfg = adahop.AdaHOPConfig.from_recipe_name("adahop_lv2", calibration_steps=1, backend="reference")
+    adahop.convert_to_adahop_training(model, config=cfg)
+    tokens = encode_bytes(load_corpus()[:20000])
+    for inputs, targets in batches(tokens, batch=4, seq_len=64, steps=1, seed=0):
+        nn.functional.cross_entropy(model(inputs).reshape(-1, 256), targets.reshape(-1)).backward()
+    layers = adahop.adahop_layers(model)
+    policy = {n: dict(m.modes) for n, m in layers.items()}
+    assert any(m["fprop"] != "bf16" for m in policy.values())  # the phase changes something
+    assert apply_bf16_phase(model, ("fprop",))
+    drift = measure_drift(model, batches(tokens, batch=4, seq_len=64, steps=1, seed=1), apply=True)
+    assert not [n for n, e in drift["changed"].items() if "fprop" in e.get("modes", {})]
+    assert all(m.modes["fprop"] == "bf16" and "fprop" not in (m.oe_ks or {}) for m in layers.values())
+    name, layer = next((n, m) for n, m in layers.items() if policy[n]["fprop"] != "bf16")
+    layer.set_modes({**layer.modes, "fprop": policy[name]["fprop"]})
+    with torch.no_grad():
+        layer.weight[[1, 9]] *= 60  # outlier rows of W: the forward's pair changes
+    drift = measure_drift(model, batches(tokens, batch=4, seq_len=64, steps=1, seed=1))
+    assert "fprop" in drift["changed"][name]["modes"]

@@ -235,3 +235,25 @@ def test_merged_parts_give_the_whole_tensors_quantization_statistics():
     # the scale is the tensor's (a gradient can be tiny), not the zero part's: the same scores
     tiny = observe_parts([tensor_part(c * 2.0**-100, k=8) for c in t.chunk(4)], tau=2.0, k=8)
     assert (tiny.cv_row, tiny.cv_col, tiny.row_energy_topk) == (merged.cv_row, merged.cv_col, merged.row_energy_topk)
+
+
+def test_parts_of_unequal_size_merge_as_the_whole_tensor():
+    """Parts of 128, 320 and 576 tokens (whole blocks of 32, as sequences are) whose column means
+    differ (the first part's columns are shifted): the merged column variances weigh each part's
+    means by its tokens, so the scores, the label and the statistics are the whole tensor's;
+    equal weights would misplace the mean."""
+    from adahop.patterns.calibration import observe_parts, observe_tensor, tensor_part
+
+    g = torch.Generator().manual_seed(2)
+    t = torch.randn(1024, 128, generator=g)
+    t[:128] += 3 * torch.randn(128, generator=g)  # the first part's own column means
+    t[::97] *= 20
+    whole = observe_tensor(t, tau=2.0, k=8)
+    parts = t.split([128, 320, 576])
+    merged = observe_parts([tensor_part(c, k=8) for c in parts], tau=2.0, k=8)
+    assert merged.pattern == whole.pattern
+    for name in ("cv_row", "cv_col", "row_energy_topk", "col_energy_topk"):
+        assert getattr(merged, name) == pytest.approx(getattr(whole, name), rel=1e-5), name
+    assert merged.quant["rows"] == 1024.0
+    for name in ("share_rows@8", "share_cols@8", "nsr_mxfp4_d0", "nsr_iht_d0"):
+        assert merged.quant[name] == pytest.approx(whole.quant[name], rel=1e-5), name

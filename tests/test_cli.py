@@ -522,3 +522,37 @@ def test_eval_and_analyze_refuse_a_run_whose_corpus_was_rebuilt(tmp_path, capsys
         load_subject(f"run:{run}")
     assert cli.main(train_args(corpus, run, recipe="bf16", steps=3)) == 2  # train: as before
     one_line_error(capsys, "was trained on another corpus")
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_drift_apply_keeps_the_bf16_phase_and_the_final_modes(corpus, tmp_path, monkeypatch, resumed):
+    """--drift with a BF16 phase (adahop_lv2_tail: the forward BF16 from 82% of the steps): the
+    scheduled BF16 forward is not drift (the policy does not choose it), ``apply`` does not undo
+    it, and the run's modes.json is the modes of its final checkpoint (the final evaluation's
+    changes would train no step: reported, not kept). ``resumed``: the run killed at its final
+    evaluation, after its last checkpoint, then resumed (no step left to apply the schedule)."""
+    import adahop.train.run as run_mod
+    from adahop.train.checkpoint import latest_checkpoint, load_training_checkpoint
+
+    run = tmp_path / "tail"
+    args = train_args(corpus, run, recipe="adahop_lv2_tail", steps=10) + [
+        "--calibration-steps", "2", "--drift", "apply"]
+    if resumed:
+        def killed(*a, **kw):
+            raise KeyboardInterrupt
+
+        with monkeypatch.context() as m:
+            m.setattr(run_mod, "drift_of", killed)
+            assert cli.main(args) != 0
+        assert latest_checkpoint(run / "checkpoints").name.endswith("10.pt") and not (run / "modes.json").exists()
+    assert cli.main(args) == 0
+    records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "bf16_phase" in r] == [8]
+    drift = next(r["final_eval"]["drift"] for r in records if "final_eval" in r)
+    assert drift["layers"] > 0
+    assert not [name for name, entry in drift["changed"].items() if "fprop" in entry.get("modes", {})]
+    layers = load_training_checkpoint(latest_checkpoint(run / "checkpoints"))["model"]
+    saved = {k[:-len("._extra_state")]: v["modes"] for k, v in layers.items() if k.endswith("._extra_state")}
+    modes = json.loads((run / "modes.json").read_text())
+    assert saved and {n: {g: e[g] for g in ("fprop", "dgrad", "wgrad")} for n, e in modes.items()} == saved
+    assert {e["fprop"] for e in modes.values()} == {"bf16"}

@@ -44,9 +44,9 @@ FPROP_MODES = ("mxfp4", "iht", "iht", "iht+oe_left", "iht", "mxfp4", "iht+oe_rig
 MX_LAYERS = {i for i, m in enumerate(FPROP_MODES) if m in ("mxfp4", "iht")}
 
 
-def adahop_config(recipe="mxfp4_iht", **kw):
+def adahop_config(recipe="mxfp4_iht", scale_mode="even", **kw):
     q = adahop.AdaHOPConfig.from_recipe_name(recipe, backend="reference", dgrad_weight="forward", **kw)
-    q = q.with_gemm_settings(oe_k=4)
+    q = q.with_gemm_settings(oe_k=4, scale_mode=scale_mode)
     return q.replace(fprop=dataclasses.replace(q.fprop, random_signs=True))  # signs along K too
 
 
@@ -54,10 +54,10 @@ def layer_modes(i: int) -> dict:
     return {"fprop": FPROP_MODES[i], "dgrad": "iht", "wgrad": "iht+oe_right" if i % 2 else "iht"}
 
 
-def linear(w: torch.Tensor, modes: dict, name="blocks.0.up") -> adahop.AdaHOPLinear:
+def linear(w: torch.Tensor, modes: dict, name="blocks.0.up", scale_mode="even") -> adahop.AdaHOPLinear:
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
     lin.weight.data.copy_(w)
-    m = adahop.AdaHOPLinear.from_float(lin, config=adahop_config(), name=name)
+    m = adahop.AdaHOPLinear.from_float(lin, config=adahop_config(scale_mode=scale_mode), name=name)
     m.set_modes(modes)
     return m
 
@@ -100,19 +100,25 @@ def test_the_shards_operands_are_the_whole_weights(mode, k):
         parts = [qag.fprop_operand(s, layer, torch.bfloat16) for s in w.split(rows)]
         assert torch.equal(torch.cat([p.codes for p in parts]), whole.codes)
         assert torch.equal(torch.cat([p.scale_e8m0 for p in parts]), whole.scale_e8m0)
-    if mode == "mxfp4":  # 16-row shards cut the 32 x 32 tiles: their scales differ (why gather_format refuses)
-        parts = [dequantize_mxfp4(qag.fprop_operand(s, layer, torch.bfloat16)) for s in w.split(16)]
-        assert not torch.equal(torch.cat(parts), dequantize_mxfp4(whole))
+    if mode == "mxfp4":  # 16- and 48-row shards cut the 32 x 32 tiles: their scales differ (why gather_format refuses)
+        for rows in (16, 48):
+            parts = [dequantize_mxfp4(qag.fprop_operand(s, layer, torch.bfloat16)) for s in w.split(rows)]
+            assert not torch.equal(torch.cat(parts), dequantize_mxfp4(whole))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("modes", [layer_modes(0), layer_modes(1), layer_modes(5)])
-def test_a_layer_multiplies_by_its_gathered_operand_as_by_its_weight(monkeypatch, modes, dtype):
+@pytest.mark.parametrize("modes,scale_mode", [(layer_modes(0), "even"), (layer_modes(1), "even"),
+                                              (layer_modes(5), "even"),
+                                              # plain MXFP4's tiles take the layer's other scale rule too
+                                              (layer_modes(0), "rceil"), (layer_modes(0), "ceil")])
+def test_a_layer_multiplies_by_its_gathered_operand_as_by_its_weight(monkeypatch, modes, scale_mode, dtype):
     torch.manual_seed(1)
-    w, x, g = torch.randn(64, 96), torch.randn(40, 96).to(dtype), torch.randn(40, 64).to(dtype)
+    # columns over four decades: blocks and tiles take different scales, which each rule rounds its own way
+    w = torch.randn(64, 96) * torch.logspace(-2, 2, 96)
+    x, g = torch.randn(40, 96).to(dtype), torch.randn(40, 64).to(dtype)
     runs = {}
     for kind in ("weight", "gathered"):
-        layer = linear(w.to(dtype).float(), modes)
+        layer = linear(w.to(dtype).float(), modes, scale_mode=scale_mode)
         layer.weight = torch.nn.Parameter(w.to(dtype))  # what FSDP2's ordinary gather gives the layer
         if kind == "gathered":
             q = qag.fprop_operand(w, layer, dtype)
@@ -140,7 +146,10 @@ def test_the_gather_format_follows_the_layers_state():
     for mode, fmt in expect.items():
         layer.set_modes({"fprop": mode, "dgrad": "iht", "wgrad": "iht"})
         assert qag.gather_format(layer, 32, 2)[0] == fmt, mode
-    assert qag.gather_format(layer, 16, 4)[0] == qag.HIGH_PRECISION  # mxfp4: 16-row shards cut the tiles
+    layer.set_modes({"fprop": "mxfp4", "dgrad": "iht", "wgrad": "iht"})
+    # mxfp4: shards of whole 32-row tiles only (16 or 48 rows cut them: test_the_shards_operands_...)
+    assert [qag.gather_format(layer, rows, 2)[0] for rows in (16, 32, 48, 64, 96)] == [
+        qag.HIGH_PRECISION, qag.MXFP4, qag.HIGH_PRECISION, qag.MXFP4, qag.MXFP4]
     layer.set_modes({"fprop": "iht", "dgrad": "iht", "wgrad": "iht"})
     assert qag.gather_format(layer, 16, 4)[0] == qag.MXFP4 and qag.gather_format(layer, 64, 1)[0] == qag.HIGH_PRECISION
     plain = adahop.AdaHOPLinear.from_float(torch.nn.Linear(64, 64), config=adahop.AdaHOPConfig.from_recipe_name("bf16"))

@@ -149,6 +149,40 @@ def test_evaluation_shares_the_forward_quantization(monkeypatch):
     assert [int(lay.rng_state[1]) for lay in group] == [0, 0, 0]  # evaluation draws no SR bits
 
 
+# The forward's own quantization differs, all else alike (as the measured policy or set_modes can
+# make it): layer 0's fprop is plain MXFP4, the others' IHT, and every wgrad quantizes x alike.
+FPROP_DIFFERS = ({"fprop": "mxfp4", "dgrad": "iht", "wgrad": "iht"}, IHT, IHT)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_layers_with_another_forward_quantize_their_own_x(monkeypatch, training):
+    """A layer whose forward quantizes x otherwise (plain MXFP4 against IHT) gets its own
+    quantized x, in training and in evaluation (where x reaches the forward only): the group's
+    outputs are the layers' own, bit for bit, while the two IHT layers still share theirs."""
+    backend = adahop.layer.plan.get_backend("reference", DEVICE)
+    monkeypatch.setattr(adahop.layer.plan, "get_backend", lambda name, device: backend)
+    calls = count_x_quantizations(monkeypatch, backend)
+    keys = [lay.input_key(training) for lay in layers("adahop_lv2", list(FPROP_DIFFERS))]
+    assert keys[0] != keys[1] == keys[2]
+    x = make((T, K), seed=4).view(2, T // 2, K)
+    grads = [make((T, n), seed=30 + i).view(2, T // 2, n) for i, n in enumerate(OUT)]
+    results = {}
+    for shared in (False, True):
+        group = layers("adahop_lv2", list(FPROP_DIFFERS))
+        calls.clear()
+        if training:
+            results[shared] = step(group, x, grads, shared, autocast=False), len(calls)
+        else:
+            with torch.no_grad():
+                ys = linears_on_one_input(group, (x,) * 3) if shared else [lay(x) for lay in group]
+            results[shared] = (list(ys),), len(calls)
+    (one_by_one, calls_one_by_one), (grouped, calls_grouped) = results[False], results[True]
+    flat = [t for part in one_by_one for t in (part if isinstance(part, list) else [part])]
+    flat_grouped = [t for part in grouped for t in (part if isinstance(part, list) else [part])]
+    assert len(flat) == len(flat_grouped) and all(torch.equal(a, b) for a, b in zip(flat, flat_grouped))
+    assert calls_grouped == calls_one_by_one - (2 if training else 1)  # layer 2 used layer 1's x
+
+
 def _group_ran(monkeypatch):
     ran = []
     real = adahop.layer.grouped.quantize_input

@@ -439,8 +439,8 @@ def _add_train_args(p):
                         "no host time per step; needs the model compiled on a GPU")
     g.add_argument("--drift", choices=("off", "measure", "apply"), default=None,
                    help="at each evaluation, re-measure the calibrated layers' patterns and modes on held-out "
-                        "batches and log the changes ('measure'), or also switch to the new modes ('apply'); "
-                        "default: off")
+                        "batches and log the changes ('measure'), or also switch to the new modes ('apply'; not "
+                        "at the final evaluation, and a BF16 phase's GEMMs stay BF16); default: off")
     g.add_argument("--parallel", default="none", choices=["none", "ddp", "fsdp2"],
                    help="data parallel, one process per GPU (or CPU process) under torchrun --nproc-per-node N: "
                         "ddp (every rank holds the model) or fsdp2 (parameters sharded per block); --batch-size is "

@@ -12,6 +12,8 @@ calibration does (``observe_tensor`` with the layer's tau and OE k), into a fres
 against the layer's. The training state is left as it was: the parameters' ``.grad`` and each
 layer's call counter (the stochastic-rounding sequence) are restored, and modes change only with
 ``apply=True`` (then the layer is frozen to the new modes and patterns, as ``set_modes`` does).
+The GEMMs a precision schedule's BF16 phase switched (``layer.scheduled_bf16``, while they run
+BF16) are the schedule's, not the policy's: not compared, and kept BF16 by ``apply``.
 
 It is library, beside ``convert`` (it acts on a converted model), not part of the outlier study in
 ``analyze``: the trainer's ``drift`` option calls it, and ``train`` sits below ``analyze``.
@@ -116,6 +118,9 @@ def measure_drift(model: nn.Module, batches: Iterable, *, loss_fn: Callable | No
         patterns = {r: summary[r]["pattern"] for r in TENSOR_ROLES}
         # (with the config's own rules after the policy, as the freeze applies them)
         modes, oe_ks = layer.config.layer_modes(layer.layer_name, *policy_result(layer_policy(layer)(summary)))
+        scheduled = {g for g in layer.scheduled_bf16 if layer.modes[g] == "bf16"}
+        modes = {g: "bf16" if g in scheduled else m for g, m in modes.items()}
+        oe_ks = {g: k for g, k in (oe_ks or {}).items() if g not in scheduled}  # (a BF16 GEMM runs no OE)
         entry = {}
         frozen_patterns = layer.patterns or {}
         p_diff = {r: [frozen_patterns.get(r), patterns[r]] for r in TENSOR_ROLES

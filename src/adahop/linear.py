@@ -115,6 +115,11 @@ class AdaHOPLinear(nn.Linear):
         self.oe_ks: dict | None = None  # the OE k per GEMM a policy chose (None: the config's)
         self.patterns: dict | None = None
         self.modes: dict | None = None if config.adaptive else config.layer_modes(name, config.fixed_modes())[0]
+        # The GEMMs a precision schedule's BF16 phase switched (adahop.schedule.apply_bf16_phase):
+        # their BF16 is the schedule's, not the policy's, so a re-decision of the modes
+        # (adahop.drift) leaves them alone. Not in the state_dict: a training loop applies its
+        # schedule before every step, a resumed one too.
+        self.scheduled_bf16: tuple[str, ...] = ()
         # False: the layer does not freeze itself when calibration ends; the caller merges the
         # observations first (e.g. across data-parallel ranks) and calls finish_calibration.
         self.freeze_when_calibrated = True

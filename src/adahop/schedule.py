@@ -84,12 +84,14 @@ def fewest_steps_for_phase(start: float, calibration_steps: int, grad_accum: int
 def apply_bf16_phase(model: nn.Module, gemms: tuple[str, ...]) -> list[str]:
     """Switch ``gemms`` of every converted layer to BF16, keeping its other modes, its patterns
     and the OE k its policy chose for the GEMMs that stay in MXFP4 (a switched GEMM's k goes: it
-    runs no OE). Returns the layers that changed (none when they were switched already: a
-    resumed run)."""
+    runs no OE). Each layer records the switched GEMMs (``scheduled_bf16``: drift does not count
+    them as the policy's). Returns the layers that changed (none when they were switched already:
+    a resumed run)."""
     changed = []
     for fqn, layer in adahop_layers(model).items():
         if layer.calibrating:
             raise ValueError(f"layer {fqn!r} is still calibrating when the BF16 phase begins")
+        layer.scheduled_bf16 = tuple(gemms)
         modes = dict(layer.modes)
         new = {**modes, **{g: "bf16" for g in gemms}}
         if new != modes:

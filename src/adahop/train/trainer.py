@@ -632,10 +632,13 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
     eval_result = None
     finished = step == cfg.steps and not stop
     if finished and eval_fn is not None:
+        # (a run resumed at its last step took none here: the layers learn which GEMMs the phase
+        # switched, which drift leaves to it; their modes are switched already)
+        schedule.apply(model, step, cfg.steps)
         # a run killed after its final evaluation was logged, before its summary: not again
         logged = next((r["final_eval"] for r in log.records() if "final_eval" in r and r["step"] == step), None)
         if not par.any(logged is not None):  # every rank evaluates (a sharded model needs them all)
-            eval_result = eval_fn(model)
+            eval_result = final_eval(model, eval_fn)
             log.write({"step": step, "final_eval": eval_result})
         else:
             eval_result = logged
@@ -652,6 +655,19 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
                           json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1))
     par.barrier()  # the summary is written before any rank returns
     return summary
+
+
+def final_eval(model: nn.Module, eval_fn: Callable[[nn.Module], dict]) -> dict:
+    """``eval_fn(model)`` after the last step, the layers' modes kept as trained: modes it changes
+    there (``--drift apply``) would train no step, and the run's modes.json and final checkpoint
+    (written before) say the modes it trained with. The changes are in its report."""
+    trained = {fqn: (layer.modes, layer.patterns, layer.oe_ks) for fqn, layer in adahop.adahop_layers(model).items()}
+    result = eval_fn(model)
+    for fqn, layer in adahop.adahop_layers(model).items():
+        modes, patterns, oe_ks = trained[fqn]
+        if modes is not None and (layer.modes, layer.patterns, layer.oe_ks) != trained[fqn]:
+            layer.set_modes(modes, patterns, oe_ks=oe_ks)
+    return result
 
 
 def write_text_atomic(path: Path, text: str) -> None:
