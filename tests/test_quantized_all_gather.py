@@ -33,6 +33,7 @@ from adahop import quantized_all_gather as qag
 from adahop.formats.mxfp4 import dequantize_mxfp4
 from adahop.ops.backends import ReferenceBackend
 from adahop.oscillation import add_dampening_grad
+from adahop.train.run_log import read_log
 from adahop.train.trainer import TrainConfig, train
 
 from tiny_lm import TinyLM
@@ -334,18 +335,21 @@ def trainer_runs(rank, root):
                           warmup_steps=2, progress=False, device="cpu", compile="none", parallel="fsdp2",
                           ckpt_every=3, quantized_all_gather=quantized)
         model = tiny_model(modes=False, config=q)
-        step_bytes = []
-        meter = qag.AllGatherMeter()
+        summary = train(cfg, model=model, train_batches=IndexedBatches())
+        # the run log's all-gathers of each step (rank 0's log; every rank sends as much)
+        gathers = {r["step"]: r["all_gather"] for r in read_log(root / name) if "all_gather" in r}
+        out[name] = {"losses": summary["losses"], "gathers": [gathers[step] for step in sorted(gathers)],
+                     "report": qag.gather_report(model),
+                     "modes": {f: m.modes for f, m in adahop.adahop_layers(model).items()},
+                     "shard_bytes": shard_bytes(model)}
+    return out
 
-        def on_step(step, model, meter=meter, step_bytes=step_bytes):
-            if not meter.calls:  # the model is sharded now: count from the next step on
-                meter.install(model)
-            else:
-                step_bytes.append(meter.bytes - sum(step_bytes))
 
-        summary = train(cfg, model=model, train_batches=IndexedBatches(), on_step=on_step)
-        out[name] = {"losses": summary["losses"], "step_bytes": step_bytes, "report": qag.gather_report(model),
-                     "modes": {f: m.modes for f, m in adahop.adahop_layers(model).items()}}
+def shard_bytes(model) -> dict[str, int]:
+    """The bytes of this rank's parameter shards: the blocks' and the root group's."""
+    out = {"blocks": 0, "root": 0}
+    for name, p in model.named_parameters():
+        out["blocks" if name.startswith("blocks.") else "root"] += p.to_local().numel() * p.element_size()
     return out
 
 
@@ -480,8 +484,25 @@ def test_through_the_trainer_the_losses_are_the_ordinary_gathers(ranks):
             gathers = report[fqn]["gathers"]
             assert gathers[qag.HIGH_PRECISION]["count"] == (2 if i in MX_LAYERS else 12)
             assert gathers.get(qag.MXFP4, {"count": 0})["count"] == (10 if i in MX_LAYERS else 0)
-        assert len(set(t["quantized"]["step_bytes"])) == 1
-        assert t["quantized"]["step_bytes"][0] < t["ordinary"]["step_bytes"][0]
+        # the run log's bytes of each step's all-gathers
+        ordinary, quantized = ([g["bytes"] for g in t[name]["gathers"]] for name in ("ordinary", "quantized"))
+        assert len(ordinary) == len(quantized) == 6 and len(set(ordinary)) == 1
+        assert quantized[0] == ordinary[0]  # step 1 calibrates: bf16 gathers
+        assert len(set(quantized[1:])) == 1 and quantized[1] < ordinary[1]
+        # the saving is the MXFP4 layers': each step 2 gathers (forward, backward) of their shards,
+        # float32 in step 1 (4 bytes a value), then MXFP4 (4.25 bits a value: K = 64, no padding)
+        mx = [f for i, f in enumerate(sorted(report)) if i in MX_LAYERS]
+        float32 = sum(report[f]["gathers"][qag.HIGH_PRECISION]["bytes"] for f in mx)
+        mxfp4 = sum(report[f]["gathers"][qag.MXFP4]["bytes"] for f in mx) // 5  # steps 2-6
+        assert mxfp4 * 32 == float32 * 4.25
+        assert ordinary[1] - quantized[1] == float32 - mxfp4
+        # the ordinary gather sends each block's parameter shards (float32 on the CPU) twice a
+        # step, the root group's (embedding, final norm, head) once: kept unsharded for the backward
+        shards = t["ordinary"]["shard_bytes"]
+        assert ordinary[0] == 2 * shards["blocks"] + shards["root"]
+        assert {g["gathers"] for g in t["ordinary"]["gathers"]} == {2 * 2 + 1}
+        # resumed at step 3 (its log kept to step 3): the same gathers after it as the run it resumes
+        assert t["resumed"]["gathers"] == t["quantized"]["gathers"]
         # resumed at step 3 from the quantized run's checkpoint: the same losses
         assert t["resumed"]["losses"] == t["quantized"]["losses"][3:]
 

@@ -6,7 +6,8 @@ does the few things data parallelism adds to the trainer:
 
 * ``wrap`` (DDP) / ``shard_model`` (FSDP2: ``fully_shard`` per block, bf16 or float32
   parameters, float32 reductions; optionally the AdaHOP weights gathered as fprop's MXFP4 operand,
-  ``adahop.quantized_all_gather``) / ``clip_grad_norm``.
+  ``adahop.quantized_all_gather``) / ``clip_grad_norm``. Under FSDP2 ``all_gathered`` counts the
+  all-gathers and the bytes this rank sends in them (the run log's ``all_gather`` per step).
 * ``shard``: the global batch of ``batch_size`` sequences is the same on every rank (every rank
   draws it from the same seeded iterator); rank r trains on rows ``[r*B/W, (r+1)*B/W)``. The
   data position is therefore global, the same on every rank, and resumes on any world size.
@@ -183,6 +184,20 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
+def _install_gather_meter(model: nn.Module):
+    """An ``AllGatherMeter`` on every FSDP2 module of ``model``: FSDP2's own collective, counted
+    (``FSDPModule.set_custom_all_gather``, a no-op change of the gather; None where torch lacks it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not hasattr(FSDPModule, "set_custom_all_gather"):
+        return None
+    from adahop.quantized_all_gather import AllGatherMeter
+
+    meter = AllGatherMeter()
+    meter.install(model)
+    return meter
+
+
 @dataclass
 class Parallel:
     """Where this process stands in the run (see the module doc)."""
@@ -193,6 +208,7 @@ class Parallel:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     owns_group: bool = False
     _grad_bad: torch.Tensor | None = field(default=None, repr=False)
+    _gather_meter: object | None = field(default=None, repr=False)  # FSDP2: an AllGatherMeter (shard_model)
 
     # ---- setup ------------------------------------------------------------------------------------
     @classmethod
@@ -305,7 +321,15 @@ class Parallel:
         fully_shard(model, mesh=mesh, mp_policy=policy)
         if quantized_all_gather:
             qag.attach(model)
+        self._gather_meter = _install_gather_meter(model)
         return left
+
+    def all_gathered(self) -> tuple[int, int] | None:
+        """FSDP2's all-gathers of the parameters so far, and the bytes this rank sent in them (each
+        one's input: every rank sends as much, and each gather delivers ``world`` times that to
+        every rank); None without FSDP2, or on a torch whose FSDP2 takes no custom all-gather."""
+        meter = self._gather_meter
+        return None if meter is None else (meter.calls, meter.bytes)
 
     def clip_grad_norm(self, parameters, max_norm: float) -> torch.Tensor:
         """``clip_grad_norm_``; under FSDP2 the norm of the sharded gradients is a DTensor whose

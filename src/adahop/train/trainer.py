@@ -565,6 +565,7 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
                 group["lr"] = lr
             opt.zero_grad(set_to_none=True)
             par.start_step()
+            gathered_before = par.all_gathered()
             loss_sum = torch.zeros((), device=device)
             # The calibration protocol (adahop.calibration): a step that begins calibrating runs each
             # micro-batch as calibration_micro_batches parts; every forward's SR numbers are this
@@ -587,6 +588,7 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
             add_dampening_grad(model, cfg.oscillation_dampening, torch.bfloat16 if use_bf16 else torch.float32)
             grad_norm = par.clip_grad_norm(model.parameters(), cfg.grad_clip)
             opt.step()
+            gathered = par.all_gathered()
             step += 1
             steps_done += 1
             if on_step is not None:
@@ -598,6 +600,9 @@ def _train(cfg, out, par: Parallel, *, model, train_batches, eval_fn, resume, st
             record = {"step": step, "loss": None, "lr": lr, "grad_norm": None,
                       "tokens": step * tokens_per_step, "tok_per_s": None,
                       "calibrated": adahop.is_calibrated(model)}
+            if gathered is not None:  # FSDP2: the step's all-gathers, and the bytes this rank sent in them
+                record["all_gather"] = {"gathers": gathered[0] - gathered_before[0],
+                                        "bytes": gathered[1] - gathered_before[1]}
             pending.append((record, par.step_report(loss_sum / passes, grad_norm)))
             if stop:
                 break
