@@ -179,7 +179,7 @@ VARIANTS: dict[str, Variant] = {
                              schedule=adahop.PrecisionSchedule(bf16_blocks=(1, 1))),
     "measured_bf16_ends": Variant(_recipe("adahop_measured"), "the measured policy, the first and last blocks in BF16",
                                   schedule=adahop.PrecisionSchedule(bf16_blocks=(1, 1))),
-    # weight-oscillation dampening (train/oscillation.py)
+    # weight-oscillation dampening (adahop/oscillation.py)
     "lv2_damp1e-3": Variant(_LV2, "lv2, oscillation dampening lambda 1e-3", (("oscillation_dampening", 1e-3),)),
     "lv2_damp1e-2": Variant(_LV2, "lv2, oscillation dampening lambda 1e-2", (("oscillation_dampening", 1e-2),)),
     # re-deciding the modes on the trained network (the drift monitor at each evaluation)
