@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import adahop
+from adahop import calibration as C
 from adahop.train import distributed as D
 from adahop.train.run_log import read_log
 from adahop.train.trainer import TrainConfig, train
@@ -377,13 +378,13 @@ def test_merged_calibration_is_what_one_layer_observing_both_would_hold():
     both.add("x", obs_a)
     both.add("x", obs_b)
     merged = LayerCalibration()
-    D.add_calibration(merged, a)
-    D.add_calibration(merged, b)
+    C.add_calibration(merged, a)
+    C.add_calibration(merged, b)
     assert merged.to_dict() == both.to_dict()
     assert merged.tensors["x"].finite_counts["col_energy_topk"] == 1  # the NaN was not counted
-    assert D._add_stat([1.0, 2.0], [0.5, 0.5]) == [1.5, 2.5] and D._add_stat(None, [1.0]) == [1.0]
-    with pytest.raises(D.RankMismatchError):
-        D._add_stat([1.0, 2.0], [1.0])
+    assert C._add_stat([1.0, 2.0], [0.5, 0.5]) == [1.5, 2.5] and C._add_stat(None, [1.0]) == [1.0]
+    with pytest.raises(C.RankMismatchError):
+        C._add_stat([1.0, 2.0], [1.0])
 
 
 # ---- the command line under torchrun ---------------------------------------------------------------

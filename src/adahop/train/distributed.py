@@ -38,8 +38,7 @@ from datetime import timedelta
 import torch
 from torch import nn
 
-# (the calibration consensus moved to the library; these names are still importable from here)
-from adahop.calibration import RankMismatchError, _add_stat, add_calibration, layer_state  # noqa: F401
+from adahop.calibration import RankMismatchError
 
 PARALLEL_CHOICES = ("none", "ddp", "fsdp2")
 LAUNCH = "torchrun --nproc-per-node N -m adahop.cli train --parallel {mode} ..."
