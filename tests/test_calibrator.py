@@ -26,6 +26,8 @@ from test_distributed import BATCH, IndexedBatches, _free_port, config, tiny_mod
 import adahop
 from adahop.train.trainer import train
 
+from rank_exit import exit_rank
+
 STEPS = 4
 
 
@@ -128,10 +130,7 @@ def _entry(rank, world, port, root, scenario):
         Path(root, f"result.{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
-    # The result is written and the group gone: leave without the interpreter's teardown, in which
-    # torch (2.13, CPU, gloo) aborted one process in five or so after these loops ("terminate called
-    # without an active exception", from a thread with no Python frame, after every line above ran).
-    os._exit(0)
+    exit_rank()
 
 
 def _spawn(root: Path, scenario: str) -> list[dict]:

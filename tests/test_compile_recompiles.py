@@ -30,6 +30,7 @@ from adahop.train import compile as compile_mod
 from adahop.train import trainer
 from adahop.train.trainer import TrainConfig, train
 
+from rank_exit import exit_rank
 from test_trainer import SEQ, VOCAB, CountingBatches
 
 STEPS, PHASE_START = 3, 0.7  # step 1 calibrates (eager), 2 compiles the frozen modes, 3 the BF16 phase's
@@ -169,6 +170,7 @@ def _entry(rank, world, port, root):
         Path(root, f"counts.{rank}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
+    exit_rank()
 
 
 def _free_port() -> int:

@@ -36,6 +36,7 @@ from adahop.train import distributed as D
 from adahop.train.run_log import read_log
 from adahop.train.trainer import TrainConfig, train
 
+from rank_exit import exit_rank
 from tiny_lm import TinyLM
 
 VOCAB, SEQ, BATCH, STEPS, KILL_STEP = 64, 32, 4, 8, 6
@@ -99,6 +100,7 @@ def _entry(rank, world, port, scenario, root):
         Path(root, f"{scenario}.{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+    exit_rank()
 
 
 def _expect_error(fn) -> dict:

@@ -21,6 +21,8 @@ import adahop  # noqa: E402
 from adahop import hf  # noqa: E402
 from adahop.hf_trainer import STATE_FILE, AdaHOPCallback  # noqa: E402
 
+from rank_exit import exit_rank  # noqa: E402
+
 VOCAB, SEQ = 64, 32
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=SEQ)
@@ -211,6 +213,7 @@ def _ddp_entry(rank, world, port, root):
                   layers=layer_states(model))
     Path(root, f"result.{rank}.json").write_text(json.dumps(result))
     torch.distributed.destroy_process_group()
+    exit_rank()
 
 
 def test_under_ddp_the_ranks_merge_their_calibration_and_draw_their_own_rounding(tmp_path):

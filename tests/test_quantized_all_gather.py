@@ -36,6 +36,7 @@ from adahop.oscillation import add_dampening_grad
 from adahop.train.run_log import read_log
 from adahop.train.trainer import TrainConfig, train
 
+from rank_exit import exit_rank
 from tiny_lm import TinyLM
 
 # fprop modes, one per layer (sorted names: blocks.0.down, blocks.0.proj, blocks.0.qkv, ...): both
@@ -430,6 +431,7 @@ def _entry(rank, world, port, root):
         Path(root, f"result.{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+    exit_rank()
 
 
 @pytest.fixture(scope="module")
