@@ -1,7 +1,7 @@
 """The quantize kernels and the parts of outlier extraction on a CUDA GPU, against the copy
 bandwidth measured in the same run.
 
-    python benchmarks/bench_kernels.py [--sections quant,split,single,both,bothx,oe] [--shapes all] [--out FILE]
+    python benchmarks/bench_kernels.py [--sections quant,split,single,both,bothx,oe,bounds] [--shapes all] [--out FILE]
 
 Sections (each checks that the variants it times give the same bits before timing them):
   quant:  the fused quantize kernels per operand form (e4m3 along K, packed along T, SR, no
@@ -12,6 +12,11 @@ Sections (each checks that the variants it times give the same bits before timin
           form (row maxima, then emit) and the library's default launch.
   both:   the gradient's two orientations from one kernel (``quantize_both``) vs two calls, per tile.
   bothx:  the activation's two (e4m3 along K, packed along T) from one kernel vs two calls.
+  bounds: the e4m3 forms with their row exponents from row bounds (``formats.e4m3_rows``: one
+          pass) against the exact row maxima (two passes), at the Llama 1B and 8B operand shapes,
+          as shares of the copy bandwidth: x along K, x both ways (e4m3 + packed), g both ways
+          (SR); the bounds' own cost (torch amax, eager), and RMSNorm compiled alone against
+          RMSNorm with its output's row maxima (what Inductor's fusion of the bound costs).
   oe:     outlier extraction's parts per --shapes layer: the norms; the selection (torch.topk +
           sort, the reference's stable sort, ``kernels.topk``); the high-precision slice GEMMs in
           two layouts; the writes of the slices into the output.
@@ -46,7 +51,7 @@ from adahop.kernels.quantize import quantize_operand_triton
 from adahop.kernels.unpack import unpack_to_e4m3
 from adahop.ops import OperandSpec
 
-SECTIONS = ("quant", "split", "single", "both", "bothx", "oe")
+SECTIONS = ("quant", "split", "single", "both", "bothx", "oe", "bounds")
 COPY_BYTES = 2**30  # the copy the quantize kernels' bandwidth is compared with
 # Operands quantized along T have R = features rows: few row groups, long rows.
 SPLIT_CASES = [  # (name, shape, dim, e4m3)
@@ -236,6 +241,95 @@ def section_both_x() -> list[dict]:
     return rows
 
 
+# ---- bounds: one pass with row bounds against two with the exact row maxima -----------------------------
+BOUNDS_X = ((32768, 2048), (32768, 8192), (16384, 4096), (16384, 14336))  # x [T, K]: 1B, 8B
+BOUNDS_G = ((32768, 512), (32768, 2048), (32768, 8192), (16384, 1024), (16384, 4096), (16384, 14336))  # g [T, N]
+
+
+def section_bounds() -> list[dict]:
+    from adahop.formats.e4m3_rows import bound_row_exponent, fold_e4m3
+    from adahop.kernels.quantize_both import quantize_both
+    from adahop.layer.bounds import magnitude_bound
+    from adahop.ops.backends.hopper_fp8 import HopperFP8Backend
+    from adahop.ops.operand import quantize_operand
+
+    rows = []
+    src = torch.randint(0, 256, (COPY_BYTES,), dtype=torch.uint8, device=common.DEVICE)
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * src.numel() / bench(lambda: dst.copy_(src)) / 1e6
+    hopper = HopperFP8Backend()
+
+    def share(nbytes, ms):
+        return round(nbytes / ms / 1e6 / copy_gbs, 4)
+
+    for T_, K in BOUNDS_X:
+        x = activation((T_, K), seed=K)
+        rb = magnitude_bound(x, 1)
+        got = quantize_operand_triton(x, 1, IHT, e4m3=True, packed=False, row_bound=rb)
+        want = fold_e4m3(quantize_operand(x, 1, IHT), bound_row_exponent(rb, 5, IHT.scale_mode))
+        exact = torch.equal(got["e4m3"].view(torch.uint8), want[0].view(torch.uint8)) and \
+            torch.equal(got["row_scale"], want[1])
+        e4 = T_ * K * 3  # bf16 read, e4m3 written
+        packed = T_ * K * 17 // 32  # packed codes and scale bytes written
+        t_now = bench(lambda: quantize_operand_triton(x, 1, IHT, e4m3=True, packed=False), rep=50)  # noqa: B023
+        t_given = bench(lambda: quantize_operand_triton(x, 1, IHT, e4m3=True, packed=False, row_bound=rb),  # noqa: B023
+                        rep=50)
+        t_amax = bench(lambda: magnitude_bound(x, 1), rep=50)  # noqa: B023
+        t_both_now = bench(lambda: hopper.quantize_and_pack(x, IHT, IHT), rep=50)  # noqa: B023
+        t_both_given = bench(lambda: hopper.quantize_and_pack(x, IHT, IHT, row_bound=rb), rep=50)  # noqa: B023
+        t_both_two = bench(lambda: (quantize_operand_triton(x, 1, IHT, e4m3=True, packed=False, row_bound=rb),  # noqa: B023
+                                    quantize_operand_triton(x, 0, IHT)), rep=50)  # noqa: B023
+        row = dict(operand="x", shape=(T_, K), bit_exact=exact, now_ms=t_now, given_ms=t_given, amax_ms=t_amax,
+                   now_share=share(e4, t_now), given_share=share(e4, t_given),
+                   given_plus_eager_amax_share=share(e4, t_given + t_amax),
+                   both_now_ms=t_both_now, both_given_fused_ms=t_both_given, both_given_two_calls_ms=t_both_two,
+                   both_now_share=share(e4 + packed, t_both_now),
+                   both_given_fused_share=share(e4 + packed, t_both_given),
+                   both_given_two_calls_share=share(e4 + packed, t_both_two), copy_GBps=copy_gbs)
+        rows.append(row)
+        print("  bounds", row, flush=True)
+
+    sr_a = OperandSpec(hadamard_size=32, rounding="sr", sr_seed=3)
+    sr_b = OperandSpec(hadamard_size=32, rounding="sr", sr_seed=4)
+    for T_, N in BOUNDS_G:
+        g = activation((T_, N), seed=N + 1)
+        rb, cb = magnitude_bound(g, 1), magnitude_bound(g, 0)
+        a, b = quantize_both(g, sr_a, sr_b, bounds=(rb, cb))
+        wa = fold_e4m3(quantize_operand(g, 1, sr_a), bound_row_exponent(rb, 5, sr_a.scale_mode))
+        exact = torch.equal(a["e4m3"].view(torch.uint8), wa[0].view(torch.uint8))
+        nbytes = T_ * N * 4  # bf16 read, two e4m3 written
+        t_now = bench(lambda: quantize_both(g, sr_a, sr_b), rep=50)  # noqa: B023
+        t_given = bench(lambda: quantize_both(g, sr_a, sr_b, bounds=(rb, cb)), rep=50)  # noqa: B023
+        t_amax = bench(lambda: (magnitude_bound(g, 1), magnitude_bound(g, 0)), rep=50)  # noqa: B023
+        row = dict(operand="g", shape=(T_, N), bit_exact_a=exact, now_ms=t_now, given_ms=t_given, amax_ms=t_amax,
+                   now_share=share(nbytes, t_now), given_share=share(nbytes, t_given),
+                   given_plus_eager_amax_share=share(nbytes, t_given + t_amax), copy_GBps=copy_gbs)
+        rows.append(row)
+        print("  bounds", row, flush=True)
+
+    # What the bound costs where Inductor fuses it into its producer: RMSNorm compiled alone and
+    # with its output's row maxima.
+    for T_, K in ((32768, 2048), (16384, 4096)):
+        h = activation((T_, K), seed=7)
+        w = torch.rand(K, device=h.device) + 0.5
+
+        def norm(t):
+            tf = t.float()
+            return (tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + 1e-5) * w).to(torch.bfloat16)  # noqa: B023
+
+        alone = torch.compile(norm)
+        with_bound = torch.compile(lambda t: (lambda y: (y, y.abs().amax(1).float()))(norm(t)))  # noqa: B023
+        y0, (y1, m1) = alone(h), with_bound(h)
+        ok = torch.equal(y0, y1) and torch.equal(m1, magnitude_bound(y0, 1))
+        t_alone, t_with = bench(lambda: alone(h), rep=50), bench(lambda: with_bound(h), rep=50)  # noqa: B023
+        row = dict(operand="rmsnorm", shape=(T_, K), bound_equals_eager=ok, rmsnorm_ms=t_alone,
+                   rmsnorm_with_bound_ms=t_with, bound_cost_ms=t_with - t_alone,
+                   rmsnorm_share=share(T_ * K * 4, t_alone), copy_GBps=copy_gbs)
+        rows.append(row)
+        print("  bounds", row, flush=True)
+    return rows
+
+
 # ---- oe: outlier extraction's parts -------------------------------------------------------------------------
 def section_oe(shapes) -> list[dict]:
     from adahop.kernels.topk import topk_indices
@@ -294,6 +388,8 @@ def run_section(name: str, shapes) -> list[dict]:
         return section_both_x()
     if name == "oe":
         return section_oe(shapes)
+    if name == "bounds":
+        return section_bounds()
     raise ValueError(f"unknown section {name!r}")
 
 

@@ -156,16 +156,17 @@ def test_layer_same_with_and_without_fusion(monkeypatch, layer_on_backend, recip
         real = getattr(HopperFP8Backend, name)
 
         def counting(self, *args, _real=real, _name=name, **kwargs):
-            calls.append((_name, tuple(sorted(k for k, v in kwargs.items() if v))))
+            calls.append((_name, tuple(sorted(k for k, v in kwargs.items() if v is not None and v is not False))))
             return _real(self, *args, **kwargs)
 
         monkeypatch.setattr(_EmulatedHopper, name, counting)
     monkeypatch.setattr(_EmulatedHopper, "FUSED_X_MIN_K", 0)  # the fused x kernel at this small K too
     outs = [layer_on_backend(backend, recipe, x, w, g, modes)
             for backend in (_EmulatedHopper(), _EmulatedHopperSeparate())]
-    # with OE (lv2: dgrad OE-left, wgrad OE-right) the fused kernels also sum the norms it ranks
-    asked = [("quantize_and_pack", ("col_norms",)), ("quantize_both", ("row_norms",))] if modes else \
-        [("quantize_and_pack", ()), ("quantize_both", ())]
+    # with OE (lv2: dgrad OE-left, wgrad OE-right) the fused kernels also sum the norms it ranks;
+    # every call gets the bounds on x's rows and g's rows and columns (layer.bounds)
+    asked = [("quantize_and_pack", ("col_norms", "row_bound")), ("quantize_both", ("bounds", "row_norms"))] \
+        if modes else [("quantize_and_pack", ("row_bound",)), ("quantize_both", ("bounds",))]
     assert sorted(calls) == asked
     for ref, got in zip(outs[1], outs[0]):
         assert torch.equal(ref, got)

@@ -260,10 +260,10 @@ def test_the_op_checks_its_owners_against_the_layers_numerics():
     # (layer 2: wgrad BF16, x along K only)
     args = (xs, [lay.weight for lay in group], [lay.rng_state.clone() for lay in group], numerics)
     with pytest.raises(ValueError, match=r"owners \[0, 1, 2\] do not match the layers' numerics, which give "):
-        torch.ops.adahop.linear_group_forward(*args, [0, 1, 2], True)
+        torch.ops.adahop.linear_group_forward(*args, [0, 1, 2], True, None)
     with pytest.raises(ValueError, match="a group of 3 layers takes 3 inputs"):
-        torch.ops.adahop.linear_group_forward(xs[:2], *args[1:], [0, 0, 2], True)
-    out = torch.ops.adahop.linear_group_forward(*args, [0, 0, 2], True)
+        torch.ops.adahop.linear_group_forward(xs[:2], *args[1:], [0, 0, 2], True, None)
+    out = torch.ops.adahop.linear_group_forward(*args, [0, 0, 2], True, None)
     assert len(out) == 15 and out[6].numel() == 0 and out[1].numel() > 0  # layer 1's saved x is layer 0's
 
 

@@ -58,6 +58,7 @@ from adahop.layer import (  # noqa: F401  (GemmPlan, LayerPlan, make_gemm_plan, 
     mxfp4_gemm,
     numerics_key,
 )
+from adahop.layer.bounds import input_bound
 from adahop.patterns.calibration import LayerCalibration, observe_on_device, tensor_part
 from adahop.patterns.detect import check_patterns
 from adahop.policy import GEMMS, policy_result, table_policy
@@ -296,7 +297,8 @@ class AdaHOPLinear(nn.Linear):
                 y = self._calibration_step(x_TK, needs_backward)
             else:
                 y = torch.ops.adahop.linear_forward(x_TK, self.weight, self.call_rng_state(needs_backward),
-                                                    self._numerics, needs_backward)[0]
+                                                    self._numerics, needs_backward,
+                                                    input_bound(x_TK, self._numerics))[0]
             if self.bias is not None:
                 y = y + self.bias.to(x_TK.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -336,7 +338,7 @@ class AdaHOPLinear(nn.Linear):
         self._observe("x", x_TK)
         self._observe("w", self.weight.to(x_TK.dtype))
         y = torch.ops.adahop.linear_forward(x_TK, self.weight, self.call_rng_state(needs_backward), self._numerics,
-                                            needs_backward)[0]
+                                            needs_backward, input_bound(x_TK, self._numerics))[0]
         if y.requires_grad:
             y.register_hook(self._calibration_backward)
         return y

@@ -325,13 +325,13 @@ class GatheredFpropWeight(torch.Tensor):
             if size == w.shape and (func is aten.view.default or tuple(args[2]) == w.stride()):
                 return w._same()
         if func is torch.ops.adahop.linear_forward.default:
-            x, _, rng_state, numerics, needs_backward = args
+            x, _, rng_state, numerics, needs_backward, x_bound = args
             w.check(numerics, x.dtype, "an AdaHOP layer")
-            return run_forward(x, w.operand, rng_state, numerics, needs_backward)
+            return run_forward(x, w.operand, rng_state, numerics, needs_backward, x_bound)
         if func is torch.ops.adahop.linear_backward.default:
             numerics = args[8]
             w.check(numerics, args[0].dtype, "an AdaHOP layer's backward")
-            return run_backward(args[0], w.operand, *args[2:], dw_dtype=w.dtype)
+            return run_backward(args[0], w.operand, *args[2:11], dw_dtype=w.dtype, g_bounds=tuple(args[11:13]))
         raise NotImplementedError(f"{func}: a weight gathered in MXFP4 (FSDP2's quantized all-gather) is read only "
                                   "by its AdaHOP layer's GEMMs")
 

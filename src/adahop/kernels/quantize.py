@@ -21,7 +21,10 @@ the kernels implement MX blocks of 32 only. Outputs (all row-major, K padded to 
 The e4m3 form needs each row's largest block exponent before it writes the first element, so it
 takes two passes over K, in two launches: the first (PHASE 1) writes each K range's largest
 block exponent, the second (PHASE 2) recomputes the chunk and writes the elements. A row that
-fits one chunk (``single_chunk_max``) is read once, in one launch.
+fits one chunk (``single_chunk_max``) is read once, in one launch. Given a bound on each row's
+magnitude (``row_bound``, from the operand's producer), the row exponent comes from it instead
+(``formats.e4m3_rows``, where the e4m3 form is defined): one pass, one launch, whatever the row's
+length.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from adahop.formats.e4m3_rows import bound_row_exponent as bound_row_exponent_ref
+from adahop.formats.e4m3_rows import row_scale as row_scale_of
 from adahop.formats.mxfp4 import MXFP4Tensor
 from adahop.formats.rng import SRStream, _lowbias32_int
 from adahop.kernels.launch import (
@@ -262,6 +267,17 @@ def _load_row_exponent(epart_ptr, rows, row_ok):
 
 
 @triton.jit
+def bound_row_exponent(bound_ptr, rows, row_ok, LOG2_H: tl.constexpr, SCALE_MODE: tl.constexpr):
+    """Each row's exponent from a bound ``A`` on its elements (float32 [R]): the block exponent of
+    ``min(|A| * 2**(floor(LOG2_H / 2) + 1), float32 max)``, NaN and Inf as the maximum;
+    ``formats.e4m3_rows.bound_row_exponent``, whose doc says why every block lies at or below it."""
+    a = tl.load(bound_ptr + rows, mask=row_ok, other=0.0)
+    b = tl.abs(a) * (1 << (LOG2_H // 2 + 1))  # a power of two: exact unless it overflows
+    b = tl.where(b <= 3.4028234663852886e38, b, 3.4028234663852886e38)  # NaN and Inf fail the comparison
+    return block_exponent(b, SCALE_MODE)
+
+
+@triton.jit
 def _sr_key_from_state(state_ptr, stream):
     """The SR key of ``formats.rng.SRStream``: the seed ``mix_seeds_from(prefix, call, gemm,
     operand)`` from ``state = [prefix, call]`` (int64, on the device) and ``stream = 2 * gemm +
@@ -280,18 +296,20 @@ def _sr_key_from_state(state_ptr, stream):
 @triton.jit(do_not_specialize=["sr_key", "sign_key"])
 def _mxfp4_quantize_kernel(
     x_ptr, stride_r, stride_k,
-    codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, rowscale_ptr, epart_ptr,
+    codes_ptr, scales_ptr, e4m3_ptr, e4m3_bits_ptr, rowscale_ptr, epart_ptr, bound_ptr,
     R, K, KP, SPLIT_K, n_splits, sr_key, sr_state_ptr, sign_key, norm,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_H: tl.constexpr, HAS_SIGNS: tl.constexpr,
     SCALE_MODE: tl.constexpr, SR: tl.constexpr, SR_FROM_STATE: tl.constexpr, SINGLE_CHUNK: tl.constexpr,
     WRITE_PACKED: tl.constexpr, WRITE_E4M3: tl.constexpr, NAN_BY_CAST: tl.constexpr,
-    PHASE: tl.constexpr, ROUND_BF16: tl.constexpr,
+    PHASE: tl.constexpr, ROUND_BF16: tl.constexpr, GIVEN_BOUND: tl.constexpr,
 ):
     """Program (i, s) owns rows [i * BLOCK_R, (i + 1) * BLOCK_R) and the K range
     [s * SPLIT_K, (s + 1) * SPLIT_K) (SPLIT_K = KP: one range per row). PHASE 0 does everything
     (one chunk per row, or no e4m3 form); for the e4m3 form over several chunks, PHASE 1 writes
     each range's largest block exponent to ``epart`` [n_splits, R, 16] (uint8, biased) and
-    PHASE 2 takes the row maximum of those and emits.
+    PHASE 2 takes the row maximum of those and emits. ``GIVEN_BOUND``: the e4m3 form's row
+    exponent comes from a bound on each row's elements (``bound_ptr``, float32 [R]:
+    ``bound_row_exponent``), so one pass emits it (PHASE 0 over several chunks).
 
     SR: ``sr_key`` is the key, or with ``SR_FROM_STATE`` the stream ``2 * gemm + operand`` whose
     key comes from the int64 ``[prefix, call]`` at ``sr_state_ptr`` (``_sr_key_from_state``)."""
@@ -308,7 +326,10 @@ def _mxfp4_quantize_kernel(
         x = _load_transform(x_ptr, stride_r, stride_k, rows, 0, R, K, sign_key, norm,
                             BLOCK_R, BLOCK_K, LOG2_H, HAS_SIGNS, True, ROUND_BF16)
         e, finite = _blocks(x, BLOCK_R, BLOCK_K, SCALE_MODE)
-        e_rowmax = tl.max(tl.where(finite, e, -127), axis=1)
+        if GIVEN_BOUND:
+            e_rowmax = bound_row_exponent(bound_ptr, rows, row_ok, LOG2_H, SCALE_MODE)
+        else:
+            e_rowmax = tl.max(tl.where(finite, e, -127), axis=1)
         if WRITE_E4M3:
             tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok)
         # k0 = k_lo (0 here) as a tensor: _emit_chunk states its divisibility (tl.multiple_of)
@@ -326,7 +347,10 @@ def _mxfp4_quantize_kernel(
                                 BLOCK_R, BLOCK_K)
     else:
         e_rowmax = tl.full((BLOCK_R,), -127, tl.int32)
-        if WRITE_E4M3:  # (then PHASE 2) the row maximum of PHASE 1's partial maxima
+        if WRITE_E4M3 and GIVEN_BOUND:
+            e_rowmax = bound_row_exponent(bound_ptr, rows, row_ok, LOG2_H, SCALE_MODE)
+            tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok & (sid == 0))
+        elif WRITE_E4M3:  # (then PHASE 2) the row maximum of PHASE 1's partial maxima
             for sp in range(0, n_splits):
                 e_rowmax = tl.maximum(e_rowmax, _load_row_exponent(epart_ptr + sp * R * 16, rows, row_ok))
             tl.store(rowscale_ptr + rows, pow2(e_rowmax - 6), mask=row_ok & (sid == 0))
@@ -381,6 +405,17 @@ def as_int32(key: int) -> int:
     return key - (1 << 32) if key >= 1 << 31 else key
 
 
+def check_row_bound(row_bound: torch.Tensor, rows: int, device: torch.device) -> None:
+    """A row bound is float32 [rows] on the operand's device (module doc of ``formats.e4m3_rows``)."""
+    if not (isinstance(row_bound, torch.Tensor) and row_bound.dtype == torch.float32
+            and tuple(row_bound.shape) == (rows,) and row_bound.device == device):
+        got = (f"{row_bound.dtype} {tuple(row_bound.shape)} on {row_bound.device}"
+               if isinstance(row_bound, torch.Tensor) else type(row_bound).__name__)
+        raise ValueError(f"a row bound must be float32 of shape ({rows},) on {device}, got {got}")
+    if not row_bound.is_contiguous():
+        raise ValueError("a row bound must be contiguous")
+
+
 def sr_key(seed: int) -> int:
     """Per-element key of the SR hash for counters below 2**32 (formats.rng: counter >> 32 = 0)."""
     return _lowbias32_int(_lowbias32_int(0) ^ seed)
@@ -423,6 +458,7 @@ def quantize_operand_triton(
     single_chunk_max: int | None = None,
     k_splits: int | None = None,
     round_to_bf16: bool = False,
+    row_bound: torch.Tensor | None = None,
 ):
     """Quantize 2-D ``x`` along ``dim`` as ``spec`` says, with the fused kernel. Returns a dict
     with, as asked, ``"mx"`` (MXFP4Tensor), ``"e4m3"`` ([R, KP] float8_e4m3fn) and
@@ -430,6 +466,12 @@ def quantize_operand_triton(
 
     ``round_to_bf16``: quantize ``x.to(torch.bfloat16)`` for a float32 ``x``, rounding in the
     kernel's loads (the same bits as the cast, without its pass over x).
+
+    ``row_bound``: float32 [R], a bound on each row's largest magnitude (of ``x`` as quantized:
+    after the cast of ``round_to_bf16``, before the transform); the e4m3 form then takes its row
+    exponent from it (``formats.e4m3_rows.bound_row_exponent``) and is written in one pass. Without
+    it, the row's largest block exponent (two passes where a row spans several chunks). The
+    packed form does not depend on it.
 
     ``k_splits``: programs per row group along K (None: enough to fill the GPU, see
     ``auto_k_splits``; 1 on the CPU). Splitting changes nothing in the result."""
@@ -446,6 +488,8 @@ def quantize_operand_triton(
     single_chunk_max = cfg["single_chunk_max"] if single_chunk_max is None else single_chunk_max
     view = x if dim == 1 else x.t()  # logical [R, K]: K = contraction dim
     R, K = view.shape
+    if row_bound is not None:
+        check_row_bound(row_bound, R, x.device)
     KP, align = spec.padded(K), spec.alignment
     if R * KP >= 2**32:
         raise ValueError(f"operand too large for 32-bit SR counters: {R} x {KP}")
@@ -470,7 +514,8 @@ def quantize_operand_triton(
     scales = torch.empty((R, KP // 32), dtype=torch.uint8, device=dev) if packed else None
     e4 = torch.empty((R, KP), dtype=torch.float8_e4m3fn, device=dev) if e4m3 else None
     rs = torch.empty((R,), dtype=torch.float32, device=dev) if e4m3 else None
-    two_phase = e4m3 and not single  # the row maximum first (PHASE 1), then the emit (PHASE 2)
+    given = e4m3 and row_bound is not None
+    two_phase = e4m3 and not single and not given  # the row maximum first (PHASE 1), then the emit (PHASE 2)
     epart = torch.empty((k_splits, R, 16), dtype=torch.uint8, device=dev) if two_phase else None
     dummy = dummy_pointer(dev)
     key, state = sr_args(spec)
@@ -479,7 +524,7 @@ def quantize_operand_triton(
         view, view.stride(0), view.stride(1),
         codes if packed else dummy, scales if packed else dummy,
         e4 if e4m3 else dummy, nan_bytes_view(e4) if e4m3 else dummy,
-        rs if e4m3 else dummy, epart if two_phase else dummy,
+        rs if e4m3 else dummy, epart if two_phase else dummy, row_bound if given else dummy,
         R, K, KP, split_k, k_splits, key, dummy if state is None else state, sign_key(spec), spec.hadamard_norm,
     )
     meta = dict(
@@ -488,12 +533,15 @@ def quantize_operand_triton(
         SINGLE_CHUNK=single,
         WRITE_PACKED=packed, WRITE_E4M3=e4m3,
         NAN_BY_CAST=not INTERPRETED,
-        ROUND_BF16=round_to_bf16,
+        ROUND_BF16=round_to_bf16, GIVEN_BOUND=given,
         num_warps=num_warps,
     )
     if KP == 0:  # no blocks, nothing to launch: an empty row's largest exponent is -127
         if e4m3:
-            rs.fill_(2.0**-133)
+            if given:
+                rs.copy_(row_scale_of(bound_row_exponent_ref(row_bound, spec.log2_hadamard, spec.scale_mode)))
+            else:
+                rs.fill_(2.0**-133)
     else:
         if two_phase:
             _QUANTIZE[grid](*args, PHASE=1, **meta)

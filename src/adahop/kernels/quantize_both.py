@@ -27,6 +27,10 @@ takes the square root. These are the L2 norms by which outlier extraction ranks 
 x once more (0.18 ms for g [16384, 14336] on the H200). They differ from it only in the order of
 the float additions.
 
+Given bounds on the magnitudes of x's rows and columns (``bounds``, from the producers of x), the
+row exponents come from them (``formats.e4m3_rows``) and one launch (PHASE 0) emits both
+orientations: x is read once.
+
 g is read twice instead of four times. The blocks, counters (SR) and signs of each orientation are
 those of the one-orientation kernel, so the outputs are identical (tested).
 
@@ -44,6 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
+from adahop.formats.e4m3_rows import bound_row_exponent as bound_row_exponent_ref
+from adahop.formats.e4m3_rows import row_scale
 from adahop.formats.mxfp4 import MXFP4Tensor
 from adahop.kernels.launch import INTERPRETED, FastLauncher, cdiv, dummy_pointer, nan_bytes_view
 from adahop.kernels.mxfp4_math import SCALE_MODE_IDS, pow2
@@ -53,6 +59,8 @@ from adahop.kernels.quantize import (
     _sr_key_from_state,
     _store_row_exponent,
     _transform,
+    bound_row_exponent,
+    check_row_bound,
     check_spec,
     sign_key,
     sr_args,
@@ -65,6 +73,7 @@ def _quantize_both_kernel(
     x_ptr, stride_r, stride_c, R, C, RP, CP,
     e4a_ptr, e4a_bits_ptr, rsa_ptr, parta_ptr, emaxa_ptr, ssa_ptr,
     e4b_ptr, e4b_bits_ptr, rsb_ptr, partb_ptr, emaxb_ptr, ssb_ptr, codes_b_ptr, scales_b_ptr,
+    bound_a_ptr, bound_b_ptr,
     sr_key_a, sr_key_b, sr_state_a_ptr, sr_state_b_ptr, sign_key_a, sign_key_b, norm_a, norm_b,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     LOG2_HA: tl.constexpr, LOG2_HB: tl.constexpr, HAS_SIGNS_A: tl.constexpr, HAS_SIGNS_B: tl.constexpr,
@@ -76,7 +85,9 @@ def _quantize_both_kernel(
     """Program (i, j) owns rows [i * BLOCK_R, ...) and columns [j * BLOCK_C, ...) of x. Orientation
     A: rows of x, quantized along C (K = CP); orientation B: columns of x, quantized along R
     (K = RP), in the e4m3 form or, with ``B_PACKED``, the packed form (emitted in PHASE 1).
-    ``SUMSQ_A`` / ``SUMSQ_B`` (PHASE 1): this tile's sums of squares of x's rows / columns.
+    ``SUMSQ_A`` / ``SUMSQ_B`` (PHASE 1, or 0): this tile's sums of squares of x's rows / columns.
+    PHASE 0: one launch, each e4m3 orientation's row exponents from its bound (``bound_a_ptr``:
+    float32 [R], ``bound_b_ptr``: [C]; ``kernels.quantize.bound_row_exponent``).
     ``SR_FROM_STATE_*``: that orientation's SR key comes from its device-side state, as in
     ``kernels.quantize``."""
     if SR_FROM_STATE_A:
@@ -90,17 +101,33 @@ def _quantize_both_kernel(
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    if PHASE == 1:
+    if PHASE != 2:
         if SUMSQ_A:
             tl.store(ssa_ptr + pid_c * R + rows, tl.sum(x * x, axis=1), mask=rows < R)
         if SUMSQ_B:
             tl.store(ssb_ptr + pid_r * C + cols, tl.sum(x * x, axis=0), mask=cols < C)
     # PHASE 1 needs A's block exponents only: the butterfly without its norm (_blocks applies it)
-    xa = _transform(x, cols, sign_key_a, norm_a, BLOCK_R, BLOCK_C, LOG2_HA, HAS_SIGNS_A, PHASE == 2)
-    ea, fina = _blocks(xa, BLOCK_R, BLOCK_C, SCALE_MODE_A, 1.0 if PHASE == 2 else norm_a)
+    xa = _transform(x, cols, sign_key_a, norm_a, BLOCK_R, BLOCK_C, LOG2_HA, HAS_SIGNS_A, PHASE != 1)
+    ea, fina = _blocks(xa, BLOCK_R, BLOCK_C, SCALE_MODE_A, norm_a if PHASE == 1 else 1.0)
     rows_a_ok = rows < R
     rows_b_ok = cols < C
-    if B_PACKED:
+    if PHASE == 0:  # the row exponents from the bounds: everything in this launch
+        emax_a = bound_row_exponent(bound_a_ptr, rows, rows_a_ok, LOG2_HA, SCALE_MODE_A)
+        tl.store(rsa_ptr + rows, pow2(emax_a - 6), mask=rows_a_ok & (pid_c == 0))
+        _emit_chunk(xa, ea, fina, emax_a, rows, rows_a_ok, pid_c * BLOCK_C, CP, sr_key_a,
+                    e4a_ptr, e4a_ptr, e4a_ptr, e4a_bits_ptr, BLOCK_R, BLOCK_C, SR_A, False, True, NAN_BY_CAST)
+        xb = _transform(tl.trans(x), rows, sign_key_b, norm_b, BLOCK_C, BLOCK_R, LOG2_HB, HAS_SIGNS_B)
+        eb, finb = _blocks(xb, BLOCK_C, BLOCK_R, SCALE_MODE_B)
+        if B_PACKED:
+            _emit_chunk(xb, eb, finb, tl.zeros((BLOCK_C,), tl.int32), cols, rows_b_ok, pid_r * BLOCK_R, RP,
+                        sr_key_b, codes_b_ptr, scales_b_ptr, e4b_ptr, e4b_bits_ptr,
+                        BLOCK_C, BLOCK_R, SR_B, True, False, NAN_BY_CAST)
+        else:
+            emax_b = bound_row_exponent(bound_b_ptr, cols, rows_b_ok, LOG2_HB, SCALE_MODE_B)
+            tl.store(rsb_ptr + cols, pow2(emax_b - 6), mask=rows_b_ok & (pid_r == 0))
+            _emit_chunk(xb, eb, finb, emax_b, cols, rows_b_ok, pid_r * BLOCK_R, RP, sr_key_b,
+                        e4b_ptr, e4b_ptr, e4b_ptr, e4b_bits_ptr, BLOCK_C, BLOCK_R, SR_B, False, True, NAN_BY_CAST)
+    elif B_PACKED:
         if PHASE == 1:
             ma = tl.max(tl.where(fina, ea, -127), axis=1)
             _store_row_exponent(parta_ptr + pid_c * R * 16, ma, ea, rows, rows_a_ok, True, BLOCK_R, BLOCK_C)
@@ -184,7 +211,7 @@ def _row_maxima(parta, emaxa, partb=None, emaxb=None) -> None:
 
 
 def quantize_both(x: torch.Tensor, spec_cols: OperandSpec, spec_rows: OperandSpec, *, rows_form: str = "e4m3",
-                  row_norms: bool = False, col_norms: bool = False,
+                  row_norms: bool = False, col_norms: bool = False, bounds: tuple | None = None,
                   block_r: int | None = None, block_c: int | None = None, num_warps: int | None = None):
     """Quantize 2-D ``x`` [R, C] along C as ``spec_cols`` says and along R as ``spec_rows`` says.
     Returns two dicts, equal to ``quantize_operand_triton(x, 1, spec_cols, e4m3=True,
@@ -195,6 +222,11 @@ def quantize_both(x: torch.Tensor, spec_cols: OperandSpec, spec_rows: OperandSpe
     ``row_norms`` / ``col_norms``: the first / second dict also holds ``"norms"``, the float32 L2
     norms of x's rows / columns (that orientation's outer slices), by which outlier extraction
     ranks them (``ops.outliers.outer_norms``, up to the order of the additions).
+
+    ``bounds``: ``(row_bound, col_bound)``, float32 [R] and [C] (None where B is packed), bounds on
+    the magnitudes of x's rows and columns: the e4m3 forms take their row exponents from them
+    (``formats.e4m3_rows.bound_row_exponent``) and x is read once, in one launch. Without them, each
+    e4m3 row's largest block exponent (two passes).
 
     ``block_r`` / ``block_c``: the tile, powers of two, each a multiple of 32 and of the
     Hadamard size of the orientation that transforms along it (default: 64, or that size if
@@ -214,6 +246,12 @@ def quantize_both(x: torch.Tensor, spec_cols: OperandSpec, spec_rows: OperandSpe
             raise ValueError(f"{name} must be a power of two and a multiple of {align}, got {size!r}")
     if num_warps is None:
         num_warps = min(8, max(4, block_r * block_c // 1024))
+    if bounds is not None:
+        if not (isinstance(bounds, tuple) and len(bounds) == 2):
+            raise ValueError(f"bounds must be (row_bound, col_bound), got {type(bounds).__name__}")
+        check_row_bound(bounds[0], R, x.device)
+        if not packed:
+            check_row_bound(bounds[1], C, x.device)
     CP, RP = spec_cols.padded(C), spec_rows.padded(R)
     if R * CP >= 2**32 or C * RP >= 2**32:
         raise ValueError(f"operand too large for 32-bit SR counters: {R} x {C}")
@@ -236,16 +274,21 @@ def quantize_both(x: torch.Tensor, spec_cols: OperandSpec, spec_rows: OperandSpe
         rsa.fill_(2.0**-133)
         if not packed:
             rsb.fill_(2.0**-133)
+        if bounds is not None:  # the row scales of the bounds' exponents, as the kernel would write them
+            rsa.copy_(row_scale(bound_row_exponent_ref(bounds[0], spec_cols.log2_hadamard, spec_cols.scale_mode)))
+            if not packed:
+                rsb.copy_(row_scale(bound_row_exponent_ref(bounds[1], spec_rows.log2_hadamard, spec_rows.scale_mode)))
         if row_norms:
             out_a["norms"] = torch.zeros((R,), dtype=torch.float32, device=dev)
         if col_norms:
             out_b["norms"] = torch.zeros((C,), dtype=torch.float32, device=dev)
         return out_a, out_b
     grid = (cdiv(RP, block_r), cdiv(CP, block_c))  # covers the padding of both
-    parta = torch.empty((grid[1], R, 16), dtype=torch.uint8, device=dev)
-    emaxa = torch.empty((R,), dtype=torch.uint8, device=dev)
-    partb = dummy if packed else torch.empty((grid[0], C, 16), dtype=torch.uint8, device=dev)
-    emaxb = dummy if packed else torch.empty((C,), dtype=torch.uint8, device=dev)
+    given = bounds is not None
+    parta = dummy if given else torch.empty((grid[1], R, 16), dtype=torch.uint8, device=dev)
+    emaxa = dummy if given else torch.empty((R,), dtype=torch.uint8, device=dev)
+    partb = dummy if packed or given else torch.empty((grid[0], C, 16), dtype=torch.uint8, device=dev)
+    emaxb = dummy if packed or given else torch.empty((C,), dtype=torch.uint8, device=dev)
     ssa = torch.empty((grid[1], R), dtype=torch.float32, device=dev) if row_norms else dummy
     ssb = torch.empty((grid[0], C), dtype=torch.float32, device=dev) if col_norms else dummy
     (key_a, state_a), (key_b, state_b) = sr_args(spec_cols), sr_args(spec_rows)
@@ -253,6 +296,7 @@ def quantize_both(x: torch.Tensor, spec_cols: OperandSpec, spec_rows: OperandSpe
         x, x.stride(0), x.stride(1), R, C, RP, CP,
         e4a, nan_bytes_view(e4a), rsa, parta, emaxa, ssa,
         e4b, dummy if packed else nan_bytes_view(e4b), rsb, partb, emaxb, ssb, codes_b, scales_b,
+        bounds[0] if given else dummy, bounds[1] if given and not packed else dummy,
         key_a, key_b, dummy if state_a is None else state_a, dummy if state_b is None else state_b,
         sign_key(spec_cols), sign_key(spec_rows), spec_cols.hadamard_norm, spec_rows.hadamard_norm,
     )
@@ -264,9 +308,12 @@ def quantize_both(x: torch.Tensor, spec_cols: OperandSpec, spec_rows: OperandSpe
         SR_FROM_STATE_A=state_a is not None, SR_FROM_STATE_B=state_b is not None,
         NAN_BY_CAST=not INTERPRETED, B_PACKED=packed, num_warps=num_warps,
     )
-    _QUANTIZE_BOTH[grid](*args, PHASE=1, SUMSQ_A=row_norms, SUMSQ_B=col_norms, **meta)
-    _row_maxima(parta, emaxa, None if packed else partb, None if packed else emaxb)
-    _QUANTIZE_BOTH[grid](*args, PHASE=2, SUMSQ_A=False, SUMSQ_B=False, **meta)
+    if given:
+        _QUANTIZE_BOTH[grid](*args, PHASE=0, SUMSQ_A=row_norms, SUMSQ_B=col_norms, **meta)
+    else:
+        _QUANTIZE_BOTH[grid](*args, PHASE=1, SUMSQ_A=row_norms, SUMSQ_B=col_norms, **meta)
+        _row_maxima(parta, emaxa, None if packed else partb, None if packed else emaxb)
+        _QUANTIZE_BOTH[grid](*args, PHASE=2, SUMSQ_A=False, SUMSQ_B=False, **meta)
     if row_norms:
         out_a["norms"] = ssa.sum(0).sqrt_()
     if col_norms:

@@ -34,7 +34,7 @@ PLAIN_MODES = ("mxfp4", "iht")
 
 
 def mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=None, b_cols_hp=None, b_cols_idx=None,
-               a_q=None, a_norms=None, b_cast_to=None, out_dtype):
+               a_q=None, a_norms=None, a_bound=None, b_cast_to=None, out_dtype):
     """One GEMM of a layer as its plan (``make_gemm_plan``) says, on ``backend``: C = A @ B with
     both operands quantized to MXFP4 along the contraction (after the plan's Hadamard transform,
     with its rounding and scale mode), the product in ``out_dtype``, and for the OE modes the
@@ -47,7 +47,8 @@ def mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=N
     ``a_hp(rows)`` / ``b_hp`` give the high-precision matrices for OE; for wgrad's OE-right the
     saved columns come in ``b_cols_hp`` with their indices ``b_cols_idx``. ``a_q``: A already
     quantized (the backward's gradient: both orientations come from one kernel); ``a_norms``: the
-    L2 norms of A's rows, if that kernel summed them (for OE-left); ``b_cast_to``: B is
+    L2 norms of A's rows, if that kernel summed them (for OE-left); ``a_bound``: a bound on the
+    magnitudes of A's rows for a backend that takes one (``layer.bounds``); ``b_cast_to``: B is
     ``b.to(b_cast_to)`` (a plain mode's weight, cast by the quantize kernel)."""
     rows_idx = cols_idx = None
     if plan.mode == "iht+oe_left":
@@ -55,7 +56,8 @@ def mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=N
     elif plan.mode == "iht+oe_right" and b_cols_idx is None:
         cols_idx = backend.select_outer(b, 1 - b_dim, plan.oe_k)
     if a_q is None:
-        a_q = backend.quantize(a, a_dim, plan.a, zero_outer=rows_idx)
+        bound = {} if a_bound is None else {"row_bound": a_bound}
+        a_q = backend.quantize(a, a_dim, plan.a, zero_outer=rows_idx, **bound)
     # B may be the packed operand the forward saved (wgrad's x); mm_nt takes it as it is.
     b_q = b if isinstance(b, MXFP4Tensor) else backend.quantize(b, b_dim, plan.b, zero_outer=cols_idx,
                                                                 cast_to=b_cast_to)
@@ -127,13 +129,15 @@ def forward_weight(weight: torch.Tensor, plan: LayerPlan, dtype: torch.dtype) ->
 
 
 # ---- the two directions, as plain functions (the ops' implementations) --------------------------
-def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_quantized: tuple | None = None):
+def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_quantized: tuple | None = None,
+                  x_bound: torch.Tensor | None = None):
     """fprop, and what wgrad will need of x. Returns ``(y_TN, x_q, cols_hp, cols_idx)``: x_q is
     x quantized along T (packed) where wgrad is quantized and a backward will run, else None;
     ``cols_hp`` / ``cols_idx`` are the k columns of x that wgrad's OE-right computes in high
     precision (chosen here from x's column norms), else None. ``x_quantized``: what
     ``quantize_input`` gave for x and this plan, made once for the layers that read x
-    (``linear_group_forward``)."""
+    (``linear_group_forward``); ``x_bound``: a bound on the magnitudes of x's rows, where the
+    backend takes one (``layer.bounds``)."""
     # The parameter itself is saved and cast again in the backward: saving the cast copy
     # (bf16 under autocast) would hold 2 bytes per weight for the whole step. A plain fprop
     # mode casts it in its quantize kernel (PLAIN_MODES); the others use a cast copy.
@@ -156,8 +160,9 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_q
         # x is A of fprop (along K) and B of wgrad (along T, packed, saved): one call
         # quantizes both orientations (one kernel from the same reads where that is faster),
         # and gives the column norms that wgrad's OE-right ranks.
+        bound = {} if x_bound is None else {"row_bound": x_bound}
         x_fprop, x_saved, x_col_norms = backend.quantize_and_pack(
-            x_TK, fp.a, wg.b, col_norms=wg.mode == "iht+oe_right")
+            x_TK, fp.a, wg.b, col_norms=wg.mode == "iht+oe_right", **bound)
 
     # GEMM 1: fprop y_TN = x_TK @ w_NK^T, [T,K]@[K,N]->[T,N]; A = x (rows: tokens),
     # B = w^T (columns: output features). Both quantized along K.
@@ -169,6 +174,7 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_q
             a_hp=lambda idx: x_TK if idx is None else x_TK[idx],
             b_hp=lambda: w_NK.t(),
             a_q=x_fprop,
+            a_bound=x_bound,
             b_cast_to=x_TK.dtype if cast_in_kernel else None,
             out_dtype=x_TK.dtype,
         )
@@ -189,11 +195,14 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_q
 
 
 def backward_gemms(g_TN: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, *, needs_dx: bool, needs_dw: bool,
-                   x_TK=None, x_q=None, cols_hp=None, cols_idx=None, dw_dtype: torch.dtype | None = None):
+                   x_TK=None, x_q=None, cols_hp=None, cols_idx=None, dw_dtype: torch.dtype | None = None,
+                   g_bounds: tuple = (None, None)):
     """dgrad and wgrad. ``x_TK``: the activation (wgrad in bf16); ``x_q``, ``cols_hp``,
     ``cols_idx``: what ``forward_gemms`` returned (wgrad quantized). ``weight`` as in
-    ``forward_weight``; ``dw_dtype``: the weight's dtype where ``weight`` is quantized. Returns
-    ``(dx_TK, dw_NK)``, None where not asked."""
+    ``forward_weight``; ``dw_dtype``: the weight's dtype where ``weight`` is quantized;
+    ``g_bounds``: bounds on the magnitudes of g's rows and columns (``layer.bounds``), each None
+    where the backend takes none. Returns ``(dx_TK, dw_NK)``, None where not asked."""
+    g_row_bound, g_col_bound = g_bounds
     backend = plan.backend
     g_TN = g_TN.contiguous()
     dx_TK = dw_NK = None
@@ -203,8 +212,9 @@ def backward_gemms(g_TN: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, *,
         # g is A of both backward GEMMs (along N for dgrad, along T for wgrad): one kernel
         # quantizes both orientations from the same reads, and sums the row norms that
         # dgrad's OE-left ranks.
+        both = {} if g_row_bound is None else {"bounds": (g_row_bound, g_col_bound)}
         g_dgrad, g_wgrad, g_row_norms = backend.quantize_both(
-            g_TN, plan.dgrad.a, plan.wgrad.a, row_norms=plan.dgrad.mode == "iht+oe_left")
+            g_TN, plan.dgrad.a, plan.wgrad.a, row_norms=plan.dgrad.mode == "iht+oe_left", **both)
 
     # GEMM 2: dgrad dx_TK = g_TN @ w_NK, [T,N]@[N,K]->[T,K]; A = g (rows: tokens, quantized
     # along N), B = w (columns: input features, quantized along N = dim 0 of w).
@@ -222,6 +232,7 @@ def backward_gemms(g_TN: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, *,
                 b_hp=lambda: w_NK,
                 a_q=g_dgrad,
                 a_norms=g_row_norms,
+                a_bound=g_row_bound,
                 b_cast_to=g_TN.dtype if cast_in_kernel else None,
                 out_dtype=g_TN.dtype,
             )
@@ -244,6 +255,7 @@ def backward_gemms(g_TN: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, *,
                 a_hp=lambda idx: g_TN.t(),
                 b_cols_hp=cols_hp, b_cols_idx=cols_idx,
                 a_q=g_wgrad,
+                a_bound=g_col_bound,
                 out_dtype=dw_dtype or weight.dtype,
             )
     return dx_TK, dw_NK

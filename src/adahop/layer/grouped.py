@@ -16,6 +16,7 @@ import functools
 import torch
 
 from adahop.gemm_geometry import FPROP, WGRAD
+from adahop.layer.bounds import gradient_bounds
 from adahop.layer.gemms import forward_gemms
 from adahop.layer.ops import empty_output, forward_fake
 from adahop.layer.plan import GemmPlan, LayerPlan, layer_plan, numerics_templates
@@ -41,18 +42,20 @@ def input_key(numerics: str, needs_backward: bool) -> tuple | None:
     return backend_name, a, b, col_norms
 
 
-def quantize_input(x_TK: torch.Tensor, plan: LayerPlan) -> tuple:
+def quantize_input(x_TK: torch.Tensor, plan: LayerPlan, x_bound: torch.Tensor | None = None) -> tuple:
     """x quantized as ``forward_gemms`` would quantize it under ``plan``: ``(x_fprop, x_saved,
     x_col_norms)``: x along K for fprop (None where fprop is BF16), along T packed for wgrad
     (None where wgrad is BF16 or no backward will run), and x's column norms where one call
     makes both orientations and wgrad's OE-right ranks columns (else None: ``forward_gemms``
     takes them from x). Nothing is zeroed for OE: the slices OE computes in high precision are
-    written over the GEMM's output, whatever the quantized operand holds there."""
+    written over the GEMM's output, whatever the quantized operand holds there. ``x_bound``: a
+    bound on the magnitudes of x's rows, for a backend that takes one (``layer.bounds``)."""
     a, b, col_norms = _input_specs(plan.fprop, plan.wgrad, plan.needs_backward)
     backend = plan.backend
+    bound = {} if x_bound is None else {"row_bound": x_bound}
     if a is not None and b is not None and backend.has_quantize_and_pack:
-        return backend.quantize_and_pack(x_TK, a, b, col_norms=col_norms)
-    return (None if a is None else backend.quantize(x_TK, FPROP.a.dim, a),
+        return backend.quantize_and_pack(x_TK, a, b, col_norms=col_norms, **bound)
+    return (None if a is None else backend.quantize(x_TK, FPROP.a.dim, a, **bound),
             None if b is None else backend.quantize_packed(x_TK, WGRAD.b.dim, b), None)
 
 
@@ -83,7 +86,8 @@ def group_layers(group_numerics: str, needs_backward: bool) -> tuple[tuple[str, 
 
 @torch.library.custom_op("adahop::linear_group_forward", mutates_args=())
 def linear_group_forward(xs: list[torch.Tensor], weights: list[torch.Tensor], rng_states: list[torch.Tensor],
-                         group_numerics: str, owners: list[int], needs_backward: bool) -> list[torch.Tensor]:
+                         group_numerics: str, owners: list[int], needs_backward: bool,
+                         x_bound: torch.Tensor | None) -> list[torch.Tensor]:
     """fprop of n layers that read one activation: ``xs``, the same values n times (one copy per
     layer: ``llama.model.compute_copies``, whose gradients meet in float32), ``weights``,
     ``rng_states`` and the layers' numerics keys (``group_numerics``: ``group_numerics_key``)
@@ -92,18 +96,20 @@ def linear_group_forward(xs: list[torch.Tensor], weights: list[torch.Tensor], rn
     at the others. x is quantized once per distinct ``input_key``, from the first copy that needs
     it. ``owners``: ``group_layers``'s owners (-1 for None), which the caller derives from the
     layers' keys and the op checks; the autograd context reads them, and cannot parse the
-    numerics keys where Dynamo traces it."""
+    numerics keys where Dynamo traces it. ``x_bound``: a bound on the magnitudes of x's rows
+    (``layer.bounds.input_bound``), for the layers whose backend takes one, else None."""
     keys, owners = _check_group(xs, weights, rng_states, group_numerics, owners, needs_backward)
     shared, out = {}, []
     for i, (x, weight, rng_state, numerics) in enumerate(zip(xs, weights, rng_states, keys)):
         plan = layer_plan(numerics, rng_state, x.device, needs_backward)
+        bound = x_bound if plan.backend.takes_row_bounds else None
         owner = owners[i]
         x_quantized = None
         if owner is not None:
             if owner not in shared:
-                shared[owner] = quantize_input(x, plan)
+                shared[owner] = quantize_input(x, plan, bound)
             x_quantized = shared[owner]
-        y, x_q, cols_hp, cols_idx = forward_gemms(x, weight, plan, x_quantized=x_quantized)
+        y, x_q, cols_hp, cols_idx = forward_gemms(x, weight, plan, x_quantized=x_quantized, x_bound=bound)
         u8 = torch.uint8
         own = x_q is not None and owner in (None, i)
         out += [y, x_q.codes if own else empty_output(x, u8), x_q.scale_e8m0 if own else empty_output(x, u8),
@@ -127,7 +133,7 @@ def _check_group(xs, weights, rng_states, group_numerics, owners, needs_backward
 
 
 @linear_group_forward.register_fake
-def _(xs, weights, rng_states, group_numerics, owners, needs_backward):
+def _(xs, weights, rng_states, group_numerics, owners, needs_backward, x_bound):
     keys, owners = _check_group(xs, weights, rng_states, group_numerics, owners, needs_backward)
     out = []
     for i, (x, weight, numerics) in enumerate(zip(xs, weights, keys)):
@@ -140,7 +146,7 @@ def _(xs, weights, rng_states, group_numerics, owners, needs_backward):
 
 def _group_setup_context(ctx, inputs, output):
     # (Dynamo may trace this and the backward: plain indexing only, no parsing of the keys)
-    xs, weights, rng_states, group_numerics, owners, needs_backward = inputs
+    xs, weights, rng_states, group_numerics, owners, needs_backward, _x_bound = inputs
     saved, non_differentiable = [], []
     for i, (x, weight, rng_state) in enumerate(zip(xs, weights, rng_states)):
         src = owners[i] if owners[i] >= 0 else i  # whose outputs hold the x this layer's wgrad reads
@@ -165,10 +171,11 @@ def _group_backward(ctx, grads):
             continue
         if x is None:
             x = empty_output(grads[5 * i], ctx.x_dtype)
+        row_bound, col_bound = gradient_bounds(grads[5 * i], numerics, needs_dx[i], needs_dw[i])
         dx, dw = torch.ops.adahop.linear_backward(grads[5 * i], weight, x, codes, scales, cols_hp, cols_idx,
-                                                  rng_state, numerics, needs_dx[i], needs_dw[i])
+                                                  rng_state, numerics, needs_dx[i], needs_dw[i], row_bound, col_bound)
         dxs[i], dws[i] = (dx if needs_dx[i] else None), (dw if needs_dw[i] else None)
-    return dxs, dws, [None] * n, None, None, None
+    return dxs, dws, [None] * n, None, None, None, None
 
 
 torch.library.register_autograd("adahop::linear_group_forward", _group_backward,

@@ -28,6 +28,7 @@ import torch
 
 from adahop.formats.mxfp4 import MXFP4Tensor
 from adahop.gemm_geometry import WGRAD
+from adahop.layer.bounds import gradient_bounds
 from adahop.layer.gemms import backward_gemms, forward_gemms
 from adahop.layer.plan import layer_plan, numerics_templates
 
@@ -50,17 +51,19 @@ def empty_output(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @torch.library.custom_op("adahop::linear_forward", mutates_args=())
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, rng_state: torch.Tensor, numerics: str,
-                   needs_backward: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   needs_backward: bool, x_bound: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """fprop of one layer call: ``(y, x_codes, x_scales, cols_hp, cols_idx)``, the last four
-    empty where wgrad does not need them (module doc)."""
-    return run_forward(x, weight, rng_state, numerics, needs_backward)
+    empty where wgrad does not need them (module doc). ``x_bound``: a bound on the magnitudes of
+    x's rows, for a backend that takes one (``layer.bounds.input_bound``), else None."""
+    return run_forward(x, weight, rng_state, numerics, needs_backward, x_bound)
 
 
-def run_forward(x, weight, rng_state, numerics, needs_backward):
+def run_forward(x, weight, rng_state, numerics, needs_backward, x_bound=None):
     """``linear_forward``'s implementation. ``weight``: the layer's weight or fprop's B already
     quantized (``forward_gemms``; train.quantized_all_gather runs the op so for its weights)."""
     plan = layer_plan(numerics, rng_state, x.device, needs_backward)
-    y, x_q, cols_hp, cols_idx = forward_gemms(x, weight, plan)
+    y, x_q, cols_hp, cols_idx = forward_gemms(x, weight, plan, x_bound=x_bound)
     u8 = torch.uint8
     return (y, empty_output(x, u8) if x_q is None else x_q.codes,
             empty_output(x, u8) if x_q is None else x_q.scale_e8m0,
@@ -69,7 +72,7 @@ def run_forward(x, weight, rng_state, numerics, needs_backward):
 
 
 @linear_forward.register_fake
-def _(x, weight, rng_state, numerics, needs_backward):
+def _(x, weight, rng_state, numerics, needs_backward, x_bound):
     return forward_fake(x, weight, numerics, needs_backward)
 
 
@@ -88,15 +91,18 @@ def forward_fake(x, weight, numerics, needs_backward):
 @torch.library.custom_op("adahop::linear_backward", mutates_args=())
 def linear_backward(g: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, x_codes: torch.Tensor,
                     x_scales: torch.Tensor, cols_hp: torch.Tensor, cols_idx: torch.Tensor, rng_state: torch.Tensor,
-                    numerics: str, needs_dx: bool, needs_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    numerics: str, needs_dx: bool, needs_dw: bool, g_row_bound: torch.Tensor | None,
+                    g_col_bound: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """dgrad and wgrad of one layer call: ``(dx, dw)``, each empty where not asked. ``x``: the
     activation where wgrad runs in bf16 (else empty); the others as ``linear_forward`` returned
-    them."""
-    return run_backward(g, weight, x, x_codes, x_scales, cols_hp, cols_idx, rng_state, numerics, needs_dx, needs_dw)
+    them; ``g_row_bound`` / ``g_col_bound``: bounds on the magnitudes of g's rows / columns
+    (``layer.bounds.gradient_bounds``), None where the backend takes none."""
+    return run_backward(g, weight, x, x_codes, x_scales, cols_hp, cols_idx, rng_state, numerics, needs_dx, needs_dw,
+                        g_bounds=(g_row_bound, g_col_bound))
 
 
 def run_backward(g, weight, x, x_codes, x_scales, cols_hp, cols_idx, rng_state, numerics, needs_dx, needs_dw,
-                 dw_dtype=None):
+                 dw_dtype=None, g_bounds=(None, None)):
     """``linear_backward``'s implementation; ``weight`` as in ``run_forward`` (``dw_dtype``: the
     weight's dtype where it is quantized)."""
     dw_dtype = dw_dtype or weight.dtype
@@ -108,19 +114,20 @@ def run_backward(g, weight, x, x_codes, x_scales, cols_hp, cols_idx, rng_state, 
     has_cols = plan.wgrad.mode == "iht+oe_right"
     dx, dw = backward_gemms(g, weight, plan, needs_dx=needs_dx, needs_dw=needs_dw, x_TK=x, x_q=x_q,
                             cols_hp=cols_hp if has_cols else None, cols_idx=cols_idx if has_cols else None,
-                            dw_dtype=dw_dtype)
+                            dw_dtype=dw_dtype, g_bounds=g_bounds)
     return (empty_output(g, g.dtype) if dx is None else dx, empty_output(g, dw_dtype) if dw is None else dw)
 
 
 @linear_backward.register_fake
-def _(g, weight, x, x_codes, x_scales, cols_hp, cols_idx, rng_state, numerics, needs_dx, needs_dw):
+def _(g, weight, x, x_codes, x_scales, cols_hp, cols_idx, rng_state, numerics, needs_dx, needs_dw,
+      g_row_bound, g_col_bound):
     T, (N, K) = g.shape[0], weight.shape
     return (g.new_empty((T, K)) if needs_dx else empty_output(g, g.dtype),
             g.new_empty((N, K), dtype=weight.dtype) if needs_dw else empty_output(g, weight.dtype))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, rng_state, numerics, needs_backward = inputs
+    x, weight, rng_state, numerics, needs_backward, _x_bound = inputs
     _, codes, scales, cols_hp, cols_idx = output
     _, (_, _, wg), _ = numerics_templates(numerics)
     # wgrad in bf16 keeps x itself; a quantized wgrad keeps x's packed form (the saving).
@@ -135,9 +142,10 @@ def _backward(ctx, grad_y, *_unused):
     needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if x is None:
         x = empty_output(grad_y, ctx.x_dtype)
+    row_bound, col_bound = gradient_bounds(grad_y, ctx.numerics, needs_dx, needs_dw)
     dx, dw = torch.ops.adahop.linear_backward(grad_y, weight, x, codes, scales, cols_hp, cols_idx, rng_state,
-                                              ctx.numerics, needs_dx, needs_dw)
-    return (dx if needs_dx else None, dw if needs_dw else None, None, None, None)
+                                              ctx.numerics, needs_dx, needs_dw, row_bound, col_bound)
+    return (dx if needs_dx else None, dw if needs_dw else None, None, None, None, None)
 
 
 torch.library.register_autograd("adahop::linear_forward", _backward, setup_context=_setup_context)

@@ -4,9 +4,11 @@ there unless ``native_mx`` runs.
 
 The quantize kernel emits each operand as float8 e4m3 elements plus one float32 scale per row,
 with every MXFP4 value ``e2m1 * 2**e_block`` written as
-``(e2m1 * 2**(e_block - e_rowmax + 6)) * 2**(e_rowmax - 6)``; the e4m3 element is exact while
-the block is within 14 binades of its row's largest (beyond, it is rounded: an error below 2**-15
-of the row maximum). ``torch._scaled_mm`` with row-wise scales then computes
+``(e2m1 * 2**(e_block - e_row + 6)) * 2**(e_row - 6)`` (``formats.e4m3_rows``), ``e_row`` the
+row's largest block exponent or, where the layer gives a bound on the row's magnitudes
+(``layer.bounds``), the exponent of that bound (one pass instead of two); the e4m3 element is
+exact while the block is within 14 binades of ``e_row`` (beyond, it is rounded: an error below
+2**-15 of ``2**(e_row + 2)``). ``torch._scaled_mm`` with row-wise scales then computes
 ``sum_k a_e4m3 b_e4m3`` (products exact in fp32, fp32 accumulation with
 ``use_fast_accum=False``) times ``scale_a[m] * scale_b[n]`` (powers of two: exact), so the result
 is the MXFP4 GEMM up to fp32 accumulation order. Row-wise ``_scaled_mm`` writes bf16, and float32
@@ -53,6 +55,9 @@ class HopperFP8Backend(Backend):
     name = "hopper_fp8"
     select_outer = staticmethod(select_outer)
     rowwise_fp32_out = True  # row-wise scaled GEMMs may write float32 (set False where refused)
+    # Row bounds (formats.e4m3_rows) let the kernels write the e4m3 form in one pass instead of
+    # two; a benchmark sets this False on the class to time the layer without them.
+    takes_row_bounds = True
 
     def __init__(self, use_fast_accum: bool = False):
         # use_fast_accum: _scaled_mm's fast accumulation, which the exactness argument (module doc)
@@ -67,27 +72,29 @@ class HopperFP8Backend(Backend):
     def use_fast_accum(self) -> bool:
         return self._use_fast_accum
 
-    def quantize(self, x, dim, spec: OperandSpec, zero_outer=None, cast_to=None) -> E4M3Operand:
+    def quantize(self, x, dim, spec: OperandSpec, zero_outer=None, cast_to=None, row_bound=None) -> E4M3Operand:
         from adahop.kernels.quantize import quantize_operand_triton
 
         x, cast = cast_args(x, cast_to)
-        out = quantize_operand_triton(x, dim, spec, packed=False, e4m3=True, **cast)
+        out = quantize_operand_triton(x, dim, spec, packed=False, e4m3=True, row_bound=row_bound, **cast)
         return E4M3Operand(out["e4m3"], out["row_scale"])
 
     quantize_packed = TritonBackend.quantize_packed
 
     @staticmethod
-    def _two_ways(x, spec_cols: OperandSpec, spec_rows: OperandSpec, rows_form: str, **norms):
+    def _two_ways(x, spec_cols: OperandSpec, spec_rows: OperandSpec, rows_form: str, **kwargs):
         from adahop.kernels.quantize_both import quantize_both
 
-        return quantize_both(x, spec_cols, spec_rows, rows_form=rows_form, **norms)
+        return quantize_both(x, spec_cols, spec_rows, rows_form=rows_form, **kwargs)
 
-    def quantize_both(self, x, spec_cols: OperandSpec, spec_rows: OperandSpec, row_norms: bool = False):
+    def quantize_both(self, x, spec_cols: OperandSpec, spec_rows: OperandSpec, row_norms: bool = False,
+                      bounds=None):
         """``quantize(x, 1, spec_cols)`` and ``quantize(x, 0, spec_rows)`` from the same reads of
         ``x`` (``kernels.quantize_both``): the backward's two quantizations of the gradient.
         Returns ``(a, b, norms)``: with ``row_norms``, ``norms`` are the L2 norms of x's rows (what
-        dgrad's OE-left ranks), from the same reads; else None."""
-        a, b = self._two_ways(x, spec_cols, spec_rows, "e4m3", row_norms=row_norms)
+        dgrad's OE-left ranks), from the same reads; else None. ``bounds``: ``(row_bound,
+        col_bound)`` on the magnitudes of x's rows and columns (one pass), or None."""
+        a, b = self._two_ways(x, spec_cols, spec_rows, "e4m3", row_norms=row_norms, bounds=bounds)
         return E4M3Operand(a["e4m3"], a["row_scale"]), E4M3Operand(b["e4m3"], b["row_scale"]), a.get("norms")
 
     # x [T, K] both ways from one kernel only from this K up (docs/kernels.md, 'Both orientations in
@@ -99,17 +106,20 @@ class HopperFP8Backend(Backend):
     # Between 2048 and 4096 nothing was measured; those sizes take the two calls too.
     FUSED_X_MIN_K = 4096
 
-    def quantize_and_pack(self, x, spec_cols: OperandSpec, spec_rows: OperandSpec, col_norms: bool = False):
+    def quantize_and_pack(self, x, spec_cols: OperandSpec, spec_rows: OperandSpec, col_norms: bool = False,
+                          row_bound=None):
         """``quantize(x, 1, spec_cols)`` and ``quantize_packed(x, 0, spec_rows)``: the forward's
         activation, for fprop and packed for the backward. From the same reads of ``x`` (one
         kernel) when ``x`` has ``FUSED_X_MIN_K`` columns or more, else two calls (faster there);
         the same bits either way. Returns ``(a, b, norms)``: with ``col_norms``, ``norms`` are the
         L2 norms of x's columns (what wgrad's OE-right ranks; from the fused kernel's reads, or
-        ``ops.outliers.outer_norms``), else None."""
-        if x.dim() == 2 and x.shape[1] < self.FUSED_X_MIN_K:
+        ``ops.outliers.outer_norms``), else None. ``row_bound``: a bound on the magnitudes of x's
+        rows, for the e4m3 form (then one read of x in one kernel at every K), or None."""
+        if row_bound is None and x.dim() == 2 and x.shape[1] < self.FUSED_X_MIN_K:
             norms = outer_norms(x, 1) if col_norms else None
             return self.quantize(x, 1, spec_cols), self.quantize_packed(x, 0, spec_rows), norms
-        a, b = self._two_ways(x, spec_cols, spec_rows, "packed", col_norms=col_norms)
+        bounds = None if row_bound is None else (row_bound, None)
+        a, b = self._two_ways(x, spec_cols, spec_rows, "packed", col_norms=col_norms, bounds=bounds)
         return E4M3Operand(a["e4m3"], a["row_scale"]), b["mx"], b.get("norms")
 
     @staticmethod

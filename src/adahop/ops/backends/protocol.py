@@ -25,6 +25,12 @@ orientations in the GEMM form) and ``quantize_and_pack(x, spec_cols, spec_rows, 
 returns ``(a, b, norms)``: the L2 norms of x's rows / columns when asked (for outlier extraction,
 from the same reads), else None. The layer asks ``has_quantize_both`` / ``has_quantize_and_pack``.
 
+A backend whose GEMM form needs each row's scale first (``hopper_fp8``) sets ``takes_row_bounds``:
+its ``quantize`` then takes ``row_bound`` (float32, one bound on each row's magnitudes:
+``formats.e4m3_rows``), ``quantize_both`` ``bounds=(row_bound, col_bound)`` and
+``quantize_and_pack`` ``row_bound``, and writes the operand in one pass. The layer gives them
+(``layer.bounds``); other backends get none.
+
 A ``BackendEntry`` registers a backend by name: why it cannot run on a device (a reason, or None),
 how to make one, whether ``auto`` may pick it and before which others, and the options its
 constructor takes (``get_backend(name, device, **options)``).
@@ -44,6 +50,7 @@ class Backend:
     name: str = ""
     quantize_both = None  # optional: (x, spec_cols, spec_rows, row_norms=False) -> (a, b, norms)
     quantize_and_pack = None  # optional: (x, spec_cols, spec_rows, col_norms=False) -> (a, b, norms)
+    takes_row_bounds = False  # whether quantize, quantize_both and quantize_and_pack take row bounds
 
     @property
     def has_quantize_both(self) -> bool:

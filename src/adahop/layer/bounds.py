@@ -1,0 +1,56 @@
+"""Bounds on the magnitudes of a layer's activation and gradient, taken by PyTorch ops outside the
+custom ops, for backends whose GEMM form needs each row's scale before its first element is
+written (``hopper_fp8``: ``formats.e4m3_rows``).
+
+With a bound per row, the quantize kernels write the e4m3 form in one pass; without one, they find
+each row's largest block exponent in a pass of their own over the transformed operand first, which
+costs as much as the writing pass (docs/kernels.md, 'Row bounds from the producer'). A bound here
+is each row's largest magnitude, ``t.abs().amax(dim)``: taken where the layer calls its op (x in
+the module's forward, g in the op's autograd backward), it is part of the graph that
+``torch.compile`` builds, and Inductor can fuse it into the kernel that produces x or g (RMSNorm,
+the SwiGLU product, the residual's gradient), which reads or writes those values anyway. A maximum
+is exact in any order, so compiled and eager runs agree; where Inductor takes it before its
+rounding to bfloat16, the bound's slack covers the difference (``formats.e4m3_rows``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from adahop.layer import plan
+from adahop.layer.plan import numerics_templates
+
+
+def magnitude_bound(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """float32 ``t.abs().amax(dim)`` of a 2-D ``t``: each slice's largest magnitude along ``dim``
+    (NaN where a slice holds NaN; 0 for slices of no elements)."""
+    if t.shape[dim] == 0:
+        return torch.zeros(t.shape[1 - dim], dtype=torch.float32, device=t.device)
+    return t.abs().amax(dim).float()
+
+
+@torch.compiler.assume_constant_result
+def bounds_wanted(numerics: str, device: str) -> tuple[bool, bool, bool]:
+    """Whether fprop's, dgrad's and wgrad's A (x along K, g along N, g along T) take a row bound
+    under a numerics key (``layer.plan.numerics_key``): the GEMM is quantized and its backend, as it
+    resolves on ``device`` (where ``layer.plan`` resolves it for the call), takes bounds. A constant
+    for ``torch.compile``: Dynamo runs it once per key and device instead of tracing the key's JSON
+    parsing and the device query of ``auto``."""
+    backend_name, gemms, _ = numerics_templates(numerics)
+    takes = bool(getattr(plan.get_backend(backend_name, torch.device(device)), "takes_row_bounds", False))
+    return tuple(takes and g.quantized for g in gemms)
+
+
+def input_bound(x_TK: torch.Tensor, numerics: str) -> torch.Tensor | None:
+    """The bound fprop's A (x along K: rows are tokens) takes, or None where the backend takes
+    none or fprop is BF16."""
+    return magnitude_bound(x_TK, 1) if bounds_wanted(numerics, str(x_TK.device))[0] else None
+
+
+def gradient_bounds(g_TN: torch.Tensor, numerics: str, needs_dx: bool, needs_dw: bool):
+    """``(row_bound, col_bound)`` of the output's gradient g [T, N]: the bounds dgrad's A (g along
+    N: rows are tokens) and wgrad's A (g along T: rows are output features) take, None for each
+    GEMM that is BF16 or not run, or where the backend takes none."""
+    _, dgrad, wgrad = bounds_wanted(numerics, str(g_TN.device))
+    return (magnitude_bound(g_TN, 1) if dgrad and needs_dx else None,
+            magnitude_bound(g_TN, 0) if wgrad and needs_dw else None)
