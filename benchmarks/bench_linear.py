@@ -1,7 +1,7 @@
 """One linear layer, forward + backward, per recipe against BF16 ``nn.Linear`` on a CUDA GPU.
 
     python benchmarks/bench_linear.py [--sections linear,memory] [--recipes ...] [--shapes all]
-        [--pairs 3] [--grads fresh] [--rep 100] [--no-emulation] [--out FILE]
+        [--pairs 3] [--grads fresh] [--rep 100] [--no-emulation] [--no-row-bounds] [--out FILE]
     python benchmarks/bench_linear.py --sections sizes [--size-grid 256,...,8192] [--size-tokens 32768]
 
 Sections:
@@ -448,6 +448,9 @@ def parse_args(argv=None):
                    help=f"do_bench's time budget per timing, ms, in linear, torchao, graph and sizes (the "
                         f"reference emulation gets 3/5 of it) (default: {DEFAULT_REP}; sizes {SIZE_REP})")
     p.add_argument("--no-emulation", action="store_true", help="skip the reference-backend timing in linear")
+    p.add_argument("--no-row-bounds", action="store_true",
+                   help="hopper_fp8's e4m3 operands with the exact row maxima (two passes) instead of the "
+                        "row bounds the layer takes (one pass; the library's default)")
     p.add_argument("--modes-from", default=None, metavar="MODES_JSON",
                    help="a trained run's modes.json: linear also times each distinct mode triple it holds "
                         "(what a calibrated model runs), beside --recipes")
@@ -497,6 +500,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     env = start("bench_linear.py", argv)
     GRADS = args.grads
+    if args.no_row_bounds:
+        from adahop.ops.backends.hopper_fp8 import HopperFP8Backend
+
+        HopperFP8Backend.takes_row_bounds = False  # the switch benchmarks use (ops.backends.hopper_fp8)
+    env["row_bounds"] = not args.no_row_bounds
     return run_sections(args.sections, lambda name: run_section(name, args), Results(args.out, "bench_linear", env))
 
 

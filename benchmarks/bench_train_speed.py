@@ -53,6 +53,9 @@ Per run:
 - the training loss of every step, each converted layer's modes and how many layers run each mode per GEMM;
 - with ``--share-input both``, each adahop recipe twice: the layers that read one activation
   quantizing it once (the library's default, ``AdaHOPConfig.share_input``), then each its own;
+- with ``--row-bounds both``, each adahop recipe twice: the e4m3 operands' row exponents from
+  bounds taken by PyTorch ops (``layer.bounds``: one pass, the library's default on hopper_fp8),
+  then from the exact row maxima (two passes; ``--row-bounds off`` alone);
 - with ``--profile-steps N``: device time per step over N steps after P1 (CUDA kernels from
   ``torch.profiler``; on the CPU, self CPU time per op), and the top kernels;
 - with ``--memory-snapshot`` (CUDA): the device memory of the next step, recorded with
@@ -200,9 +203,12 @@ def measure(args, recipe: str) -> dict:
     import adahop.train.trainer as trainer
     from adahop.data.corpus import load_corpus
     from adahop.ops.backends import get_backend
+    from adahop.ops.backends.hopper_fp8 import HopperFP8Backend
     from adahop.train.run import open_run
     from adahop.train.trainer import StopTraining, resolve_device, train
 
+    # the switch benchmarks use (ops.backends.hopper_fp8): this worker's process only
+    HopperFP8Backend.takes_row_bounds = args.row_bounds != "off"
     p0, p1 = args.steps
     n_prof = args.profile_steps
     memory_step = p1 + n_prof + 1 if args.memory_snapshot else None
@@ -291,6 +297,7 @@ def measure(args, recipe: str) -> dict:
             "calibration_steps": cfg.adahop.calibration_steps if cfg.adahop.adaptive else 0,
             "calibration_micro_batches": cfg.calibration_micro_batches, "min_features": cfg.min_features,
             "share_input": cfg.adahop.share_input,
+            "row_bounds": HopperFP8Backend.takes_row_bounds,
             "window": [p0, p1], "steady_tokens_per_s": tokens_per_step / s_per_step,
             "ms_per_step": 1e3 * s_per_step, "first_step_s": state["first_step_s"],
             "peak_memory_bytes": state["peak_bytes"], "steady_peak_memory_bytes": state["steady_peak_bytes"],
@@ -351,12 +358,16 @@ def profile_summary(prof, steps: int, cuda: bool) -> dict:
 
 
 # ---- the sequence of runs ----------------------------------------------------------------------------------
-def sequence(recipes: list[str], share_input: str = "on") -> list[tuple[str, str]]:
-    """(recipe, --share-input) of each run: bf16, the other recipes in order (with ``both``, each
-    adahop recipe with x quantized once per group, then per layer; a torchao peer once), bf16."""
+def sequence(recipes: list[str], share_input: str = "on", row_bounds: str = "on") -> list[tuple[str, str, str]]:
+    """(recipe, --share-input, --row-bounds) of each run: bf16, the other recipes in order (with
+    ``both``, each adahop recipe with x quantized once per group, then per layer; with bounds, then
+    without; a torchao peer once), bf16."""
     shares = ("on", "off") if share_input == "both" else (share_input,)
-    return [("bf16", "off"), *[(r, s) for r in recipes if r != "bf16" for s in (("off",) if r in PEERS else shares)],
-            ("bf16", "off")]
+    bounds = ("on", "off") if row_bounds == "both" else (row_bounds,)
+    adahop = [(s, b) for s in shares for b in bounds]
+    return [("bf16", "off", "on"),
+            *[(r, s, b) for r in recipes if r != "bf16" for s, b in ([("off", "on")] if r in PEERS else adahop)],
+            ("bf16", "off", "on")]
 
 
 def run_worker(argv: list[str], recipe: str, timeout: float | None) -> dict:
@@ -387,6 +398,8 @@ def run_name(r: dict) -> str:
         name += f" (torchao {r['torchao']})"
     elif r.get("share_input") and r["recipe"] != "bf16":
         name += " (x shared)"
+    if r.get("row_bounds") is False and r["recipe"] != "bf16":
+        name += " (exact row maxima)"
     if r.get("window_phase") == "in":
         name += ", in its BF16 phase"
     elif r.get("window_phase") == "before":
@@ -457,6 +470,9 @@ def parse_args(argv=None):
     g.add_argument("--min-features", type=int, default=None, metavar="N",
                    help="the size rule: linears whose layer size, 2*in*out/(in+out), is below N stay BF16 (default: "
                         "the preset's, adahop.convert.MIN_FEATURES; 3072 is adahop.convert.HOPPER_MIN_FEATURES)")
+    g.add_argument("--row-bounds", choices=("on", "off", "both"), default="on",
+                   help="hopper_fp8's e4m3 operands with row exponents from bounds (on: the library's default), "
+                        "from the exact row maxima (off), or each adahop recipe both ways (default: %(default)s)")
     g.add_argument("--share-input", choices=("on", "off", "both"), default="on",
                    help="layers that read one activation quantize it once (on: the library's default), per layer "
                         "(off), or each recipe runs both ways (both) (default: %(default)s)")
@@ -540,7 +556,7 @@ def main(argv=None) -> int:
         for folder in (args.run_dir, args.memory_pickle_dir):
             if folder:
                 Path(folder).mkdir(parents=True, exist_ok=True)
-        for recipe in dict.fromkeys(r for r, _ in sequence(args.recipes, args.share_input)):
+        for recipe in dict.fromkeys(r for r, _, _ in sequence(args.recipes, args.share_input)):
             run_config(args, recipe, args.run_dir or tempfile.gettempdir())
         if any(r in PEERS for r in args.recipes):
             from adahop.train.trainer import resolve_device
@@ -555,9 +571,11 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     call = uuid.uuid4().hex[:12]  # the runs of one call share it (their ratios belong together)
     rows = []
-    for i, (recipe, share_input) in enumerate(sequence(args.recipes, args.share_input), 1):
+    for i, (recipe, share_input, row_bounds) in enumerate(sequence(args.recipes, args.share_input,
+                                                                   args.row_bounds), 1):
         print(f"[{i}] {recipe} ...", flush=True)
-        row = {**run_worker([*argv, "--share-input", share_input], recipe, args.timeout), "call": call, "run": i}
+        row = {**run_worker([*argv, "--share-input", share_input, "--row-bounds", row_bounds], recipe, args.timeout),
+               "call": call, "run": i}
         rows.append(row)
         with out.open("a") as f:
             f.write(json.dumps({"benchmark": "bench_train_speed", **row, "env": env}) + "\n")

@@ -23,10 +23,11 @@ from adahop.layer.plan import numerics_templates
 
 def magnitude_bound(t: torch.Tensor, dim: int) -> torch.Tensor:
     """float32 ``t.abs().amax(dim)`` of a 2-D ``t``: each slice's largest magnitude along ``dim``
-    (NaN where a slice holds NaN; 0 for slices of no elements)."""
+    (NaN where a slice holds NaN; 0 for slices of no elements). Of ``t`` detached: no gradient
+    flows through a bound, and autograd keeps nothing for one."""
     if t.shape[dim] == 0:
         return torch.zeros(t.shape[1 - dim], dtype=torch.float32, device=t.device)
-    return t.abs().amax(dim).float()
+    return t.detach().abs().amax(dim).float()
 
 
 @torch.compiler.assume_constant_result
