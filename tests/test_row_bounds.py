@@ -3,11 +3,17 @@
 orientation, both orientations, e4m3 + packed; CPU through TRITON_INTERPRET=1), and the layer, whose
 outputs and gradients the bounds leave unchanged where no block falls out of the exact window."""
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 
 triton = pytest.importorskip("triton")
 
+import adahop  # noqa: E402
+import adahop.kernels.quantize_both as kqb  # noqa: E402
+import adahop.layer.plan  # noqa: E402
 from adahop.formats.e4m3_rows import bound_row_exponent, exact_row_exponent, fold_e4m3  # noqa: E402
 from adahop.formats.mxfp4 import dequantize_mxfp4  # noqa: E402
 from adahop.kernels.quantize import quantize_operand_triton  # noqa: E402
@@ -227,3 +233,43 @@ def test_layer_same_with_and_without_bounds(monkeypatch, layer_on_backend, recip
     assert n_with >= 2
     for got, want in zip(with_bounds, exact):
         assert torch.equal(got, want)
+
+
+def test_compiled_layers_take_the_bounds_and_match_eager(monkeypatch):
+    """Two layers behind a norm, compiled whole (Dynamo and AOTAutograd, fullgraph): no graph
+    break at the bounds (``bounds_wanted`` is a constant for Dynamo), the bounds reach the kernels
+    in the forward and the backward, and the loss and gradients are eager's bit for bit."""
+    backend = _EmulatedHopper()
+    monkeypatch.setattr(adahop.layer.plan, "get_backend", lambda name, device: backend)
+    cfg = adahop.AdaHOPConfig.from_recipe_name("mxfp4_iht")
+    torch.manual_seed(0)
+    layers = nn.ModuleList([adahop.AdaHOPLinear.from_float(nn.Linear(64, 96, bias=False), config=cfg, name="a"),
+                            adahop.AdaHOPLinear.from_float(nn.Linear(96, 64, bias=False), config=cfg, name="b")])
+    norm_w = torch.rand(64) + 0.5
+
+    def loss_of(mods, x):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w  # the bound's producer
+        return mods[1](nn.functional.silu(mods[0](h))).float().pow(2).mean()
+
+    x = make((64, 64), seed=5, spread=0.5).float()
+    given = []
+    real = kqb.quantize_both
+    monkeypatch.setattr(kqb, "quantize_both",
+                        lambda *a, **k: given.append(k.get("bounds") is not None) or real(*a, **k))
+    results = []
+    for compiled in (False, True):
+        mods = copy.deepcopy(layers)
+        fn = loss_of
+        if compiled:
+            torch._dynamo.reset()
+            explained = torch._dynamo.explain(loss_of)(copy.deepcopy(layers), x)
+            assert explained.graph_break_count == 0, explained.break_reasons
+            fn = torch.compile(loss_of, backend="aot_eager", fullgraph=True)
+        given.clear()
+        xx = x.clone().requires_grad_()
+        loss = fn(mods, xx)
+        loss.backward()
+        assert given and all(given)  # x (quantize_and_pack) and g (quantize_both) of both layers
+        results.append((loss.detach(), xx.grad, [m.weight.grad for m in mods]))
+    (le, xe, we), (lc, xc, wc) = results
+    assert torch.equal(le, lc) and torch.equal(xe, xc) and all(torch.equal(a, b) for a, b in zip(we, wc))
