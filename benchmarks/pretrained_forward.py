@@ -96,6 +96,18 @@ def set_fprop(model, rules: list[tuple[str, str]]) -> None:
             layer.set_modes({**layer.modes, "fprop": mode}, oe_ks=oe_ks or None)
 
 
+def converted_hp_share(model, tokens: int) -> float:
+    """The share of the converted linears' forward FLOPs in high precision (BF16 GEMMs and OE's
+    slices), OE counted over the ``tokens`` rows of one call: a batch's (batch size x sequence
+    length), where OE-left chooses its rows; ``fprop_mxfp4_share`` counts them over one sequence.
+    What a policy's high-precision budget is measured against."""
+    converted = sum(m.in_features * m.out_features for m in adahop.adahop_layers(model).values())
+    every = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
+    if not converted:
+        return 0.0
+    return 1 - mxfp4_flop_share(model, tokens, gemms=("fprop",)) * every / converted
+
+
 def gemm_settings(args) -> dict:
     """The GemmConfig fields the command line sets in every GEMM of the recipes."""
     out = {"hadamard_size": args.hadamard_size, "scale_mode": args.scale_mode}
@@ -128,22 +140,26 @@ def measure(args, recipe: str, pretrained, corpus, device: torch.device) -> dict
                           max_batches=args.eval_batches)
     modes = {name: layer.modes for name, layer in adahop.adahop_layers(model).items()}
     share = mxfp4_flop_share(model, args.seq_len, gemms=("fprop",))  # the share of the forward's FLOPs
+    hp = converted_hp_share(model, args.seq_len * args.batch_size) if recipe != "bf16" else 1.0
     label = recipe + "".join(f" ({p} fprop {m})" for p, m in args.set_fprop if recipe != "bf16")
     if gemm_settings(args) and recipe != "bf16":
         label += " (" + ", ".join(f"{k} {v}" for k, v in gemm_settings(args).items()) + ")"
     return {"recipe": recipe, "label": label, "heldout_loss": result["loss"], "tokens": result["tokens"],
-            "fprop_mxfp4_share": share, "sources": {s: v["loss"] for s, v in result["sources"].items()},
+            "fprop_mxfp4_share": share, "converted_fprop_hp_share": hp,
+            "sources": {s: v["loss"] for s, v in result["sources"].items()},
             "seconds": time.perf_counter() - start, "modes": modes}
 
 
 def table(rows: list[dict]) -> str:
     base = next((r["heldout_loss"] for r in rows if r["recipe"] == "bf16"), math.nan)
     sources = list(rows[0]["sources"])
-    head = "| recipe | forward FLOPs in MXFP4 | held-out loss | gap to bf16 | " + " | ".join(sources) + " |"
-    lines = [head, "|" + "---|" * (4 + len(sources))]
+    head = ("| recipe | forward FLOPs in MXFP4 | converted forward in high precision | held-out loss | gap to bf16 | "
+            + " | ".join(sources) + " |")
+    lines = [head, "|" + "---|" * (5 + len(sources))]
     for r in rows:
         per = " | ".join(f"{r['sources'][s]:.4f}" for s in sources)
-        lines.append(f"| {r['label']} | {r['fprop_mxfp4_share']:.1%} | {r['heldout_loss']:.4f} | "
+        lines.append(f"| {r['label']} | {r['fprop_mxfp4_share']:.1%} | {r['converted_fprop_hp_share']:.1%} | "
+                     f"{r['heldout_loss']:.4f} | "
                      f"{r['heldout_loss'] - base:+.4f} | {per} |")
     return "\n".join(lines)
 

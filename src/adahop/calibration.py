@@ -34,6 +34,8 @@ What it owns (``patterns.calibration`` holds the statistics themselves):
 * **The freeze.** A layer whose merged count reaches ``calibration_steps`` votes its patterns and
   takes its modes on every rank from the same numbers; the ranks' modes, patterns and calibration
   state are then compared (``RankMismatchError`` on every rank if they differ, as at the start).
+  Under a policy over the whole model (loss_aware) every layer is merged first, and the layers
+  freeze together once all are complete (``calibration_group``).
 
 With one process (no process group, or a group of one) the layers calibrate and freeze on their
 own and only the split is left to do; the same loop runs either way.
@@ -253,15 +255,16 @@ class Calibrator:
         if any(set(g) != set(mine) for g in gathered):
             raise RankMismatchError(f"the ranks calibrate different layers at step {step}; every rank must convert "
                                     "the same layers with the same config")
-        frozen = []
         for fqn, total in self._merged.items():
             for part in gathered:
                 add_calibration(total, LayerCalibration.from_dict(part[fqn]))
+            self._layers[fqn].calibration = total
+        # (every layer merged first: a policy over the whole model reads them all when it freezes)
+        for fqn in self._merged:
             layer = self._layers[fqn]
-            layer.calibration = total
-            if layer.calibration.steps >= layer.config.calibration_steps:
-                layer.finish_calibration()
-                frozen.append(fqn)
+            if layer.calibrating and layer.calibration.steps >= layer.config.calibration_steps:
+                layer.finish_calibration(wait_for_group=True)
+        frozen = [fqn for fqn in self._merged if not self._layers[fqn].calibrating]
         self._merged = {}
         self._observed = self._step_counts()
         if frozen:

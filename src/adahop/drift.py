@@ -49,8 +49,12 @@ def lm_loss(model: nn.Module, batch) -> torch.Tensor:
 
 
 def layer_policy(layer) -> Callable:
-    """The policy a layer froze its modes with: its config's ``policy_fn``, else the table."""
+    """The policy a layer froze its modes with: its config's ``policy_fn``, else the table. A
+    policy over the whole model (loss_aware) decides here for the layer alone, with its budget
+    over the layer's own FLOPs: a re-measured layer is not compared with the others'."""
     cfg = layer.config
+    if cfg.model_policy is not None:
+        return lambda s: cfg.model_policy({0: s})[0]
     return cfg.policy_fn if cfg.policy_fn is not None else (lambda s: table_policy(s, cfg.policy))
 
 
