@@ -42,7 +42,7 @@ import adahop  # noqa: E402
 from adahop.config import RECIPES  # noqa: E402
 from adahop.data.corpus import TokenBatches  # noqa: E402
 from adahop.formats.mxfp4 import SCALE_MODES  # noqa: E402
-from adahop.policy import GEMM_MODES  # noqa: E402
+from adahop.policy import GEMM_MODES, QUANT_POLICIES  # noqa: E402
 from adahop.train.precision import mxfp4_flop_share  # noqa: E402
 from adahop.train.recipes import numerics  # noqa: E402
 from adahop.train.run import heldout_eval  # noqa: E402
@@ -122,10 +122,14 @@ def measure(args, recipe: str, pretrained, corpus, device: torch.device) -> dict
     calibration change the copy only)."""
     start = time.perf_counter()
     model = copy.deepcopy(pretrained).to(device)
+    budgeted = False  # a recipe whose policy has a high-precision budget (--hp-budget)
     if recipe != "bf16":
         cfg = numerics(recipe, calibration_steps=args.calibration_steps, oe_k=args.oe_k).replace(
             backend=args.backend, seed=args.seed)
         cfg = cfg.with_gemm_settings(**gemm_settings(args))
+        budgeted = args.hp_budget is not None and cfg.adaptive and cfg.policy in QUANT_POLICIES
+        if budgeted:
+            cfg = cfg.replace(hp_budget=args.hp_budget)
         adahop.convert_to_adahop_training(model, config=cfg, module_filter_fn=layer_filter(model, args.layers))
         if not adahop.adahop_layers(model):
             names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][:3]
@@ -144,6 +148,8 @@ def measure(args, recipe: str, pretrained, corpus, device: torch.device) -> dict
     label = recipe + "".join(f" ({p} fprop {m})" for p, m in args.set_fprop if recipe != "bf16")
     if gemm_settings(args) and recipe != "bf16":
         label += " (" + ", ".join(f"{k} {v}" for k, v in gemm_settings(args).items()) + ")"
+    if budgeted:
+        label += f" (hp_budget {args.hp_budget:g})"
     return {"recipe": recipe, "label": label, "heldout_loss": result["loss"], "tokens": result["tokens"],
             "fprop_mxfp4_share": share, "converted_fprop_hp_share": hp,
             "sources": {s: v["loss"] for s, v in result["sources"].items()},
@@ -188,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-batches", type=int, default=2, help="batches of each source's validation shard")
     p.add_argument("--calibration-steps", type=int, default=3, help="adaptive recipes: forward + backward passes")
     p.add_argument("--oe-k", type=int, default=16, help="OE k of every GEMM (default: %(default)s)")
+    p.add_argument("--hp-budget", type=float, default=None,
+                   help="the high-precision budget of the measured and loss-aware policies, a share of the GEMM "
+                        "FLOPs (default: each recipe's)")
     p.add_argument("--seed", type=int, default=0, help="calibration windows and SR draws")
     p.add_argument("--backend", default="auto", help="GEMM backend (default: %(default)s)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
@@ -200,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("seq_len", "batch_size", "eval_batches", "calibration_steps", "oe_k"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.hp_budget is not None and not 0 <= args.hp_budget <= 1:
+        p.error("--hp-budget must be in [0, 1] (a share of the GEMM FLOPs)")
     try:
         args.set_fprop = parse_set_fprop(args.set_fprop)
     except ValueError as e:

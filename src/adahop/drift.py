@@ -74,8 +74,8 @@ def measure_drift(model: nn.Module, batches: Iterable, *, loss_fn: Callable | No
     modes afterwards."""
     layers = {n: m for n, m in adahop_layers(model).items() if not m.calibrating and m.config.adaptive}
     if not layers:
-        raise ValueError("measure_drift needs a calibrated adaptive model (adahop_lv2, adahop_lv1, adahop_measured) "
-                         "with frozen modes: no converted layer has them")
+        raise ValueError("measure_drift needs a calibrated adaptive model (adahop_lv2, adahop_lv1, adahop_measured, "
+                         "adahop_loss_aware) with frozen modes: no converted layer has them")
     loss_fn = loss_fn or lm_loss
     cals = {n: LayerCalibration() for n in layers}
     params = [p for p in model.parameters() if p.requires_grad]
