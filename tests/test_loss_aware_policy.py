@@ -206,6 +206,12 @@ def test_a_model_calibrates_and_freezes_together():
     fresh, _ = tiny(steps=2)
     fresh.load_state_dict(state)
     assert {n: m.modes for n, m in adahop.adahop_layers(fresh).items()} == {n: m.modes for n, m in layers.items()}
+    # drift re-decides each layer alone (the budget over its own FLOPs): a defined result
+    from adahop.drift import measure_drift
+
+    _, more = tiny(steps=1)
+    report = measure_drift(model, more)
+    assert report["steps"] == 1 and set(report["changed"]) <= set(layers)
 
 
 def test_the_calibrator_and_finish_calibration_freeze_the_group():
