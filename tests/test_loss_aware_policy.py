@@ -227,3 +227,24 @@ def test_the_calibrator_and_finish_calibration_freeze_the_group():
     fresh, _ = tiny(steps=3)
     with pytest.raises(ValueError, match="has observed no backward pass yet"):
         adahop.finish_calibration(fresh)
+
+
+def test_layers_no_conversion_grouped_are_grouped_by_the_calibrator():
+    """Layers built from a config (as torchtitan builds them), not by convert_to_adahop_training:
+    the Calibrator groups them, and they freeze from one decision over both."""
+    cfg = adahop.recipe("adahop_loss_aware", calibration_steps=2, backend="reference",
+                        hp_budget=0.2).config.with_gemm_settings(oe_k=4)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(adahop.AdaHOPLinear(64, 64, config=cfg, name="a"), torch.nn.GELU(),
+                                adahop.AdaHOPLinear(64, 32, config=cfg, name="b"))
+    assert model[0].calibration_group is None
+    calibrator = adahop.Calibrator(model)
+    assert model[0].calibration_group is model[2].calibration_group is not None
+    x = torch.randn(64, 64)
+    x[:, 3] *= 30
+    for _ in range(2):
+        with calibrator.step() as step:
+            for part in step.split(x):
+                model(part).square().mean().backward()
+    decided = cfg.model_policy({i: model[j].calibration.summary() for i, j in enumerate((0, 2))})
+    assert [model[j].modes for j in (0, 2)] == [policy_result(decided[i])[0] for i in range(2)]

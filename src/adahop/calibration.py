@@ -58,6 +58,7 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
+from adahop.calibration_group import CalibrationGroup
 from adahop.convert import adahop_layers, calibration_parts, is_calibrated
 from adahop.patterns.calibration import TENSOR_ROLES, LayerCalibration, read_calibrations
 
@@ -128,6 +129,12 @@ class Calibrator:
         self.rank = 0 if process_group is None else dist.get_rank(process_group)
         self.steps = 0  # steps run through step() (numbers the freeze's step in messages)
         self._layers = dict(sorted(adahop_layers(model).items()))
+        # Layers under a policy over the whole model that no conversion grouped (built from a
+        # config: torchtitan's) freeze together, as convert_to_adahop_training's do.
+        ungrouped = [m for m in self._layers.values()
+                     if m.config.adaptive and m.config.model_policy is not None and m.calibration_group is None]
+        if ungrouped:
+            CalibrationGroup(ungrouped)
         self._merged: dict = {}  # layer -> its merged calibration while a forward observes apart
         self._sr_next: dict = {}  # layer -> its next call count n (host side)
         self._sr_checked = False
