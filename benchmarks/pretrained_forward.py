@@ -42,7 +42,7 @@ import adahop  # noqa: E402
 from adahop.config import RECIPES  # noqa: E402
 from adahop.data.corpus import TokenBatches  # noqa: E402
 from adahop.formats.mxfp4 import SCALE_MODES  # noqa: E402
-from adahop.policy import GEMM_MODES  # noqa: E402
+from adahop.policy import GEMM_MODES, QUANT_POLICIES  # noqa: E402
 from adahop.train.precision import mxfp4_flop_share  # noqa: E402
 from adahop.train.recipes import numerics  # noqa: E402
 from adahop.train.run import heldout_eval  # noqa: E402
@@ -96,6 +96,18 @@ def set_fprop(model, rules: list[tuple[str, str]]) -> None:
             layer.set_modes({**layer.modes, "fprop": mode}, oe_ks=oe_ks or None)
 
 
+def converted_hp_share(model, tokens: int) -> float:
+    """The share of the converted linears' forward FLOPs in high precision (BF16 GEMMs and OE's
+    slices), OE counted over the ``tokens`` rows of one call: a batch's (batch size x sequence
+    length), where OE-left chooses its rows; ``fprop_mxfp4_share`` counts them over one sequence.
+    What a policy's high-precision budget is measured against."""
+    converted = sum(m.in_features * m.out_features for m in adahop.adahop_layers(model).values())
+    every = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
+    if not converted:
+        return 0.0
+    return 1 - mxfp4_flop_share(model, tokens, gemms=("fprop",)) * every / converted
+
+
 def gemm_settings(args) -> dict:
     """The GemmConfig fields the command line sets in every GEMM of the recipes."""
     out = {"hadamard_size": args.hadamard_size, "scale_mode": args.scale_mode}
@@ -110,10 +122,14 @@ def measure(args, recipe: str, pretrained, corpus, device: torch.device) -> dict
     calibration change the copy only)."""
     start = time.perf_counter()
     model = copy.deepcopy(pretrained).to(device)
+    budgeted = False  # a recipe whose policy has a high-precision budget (--hp-budget)
     if recipe != "bf16":
         cfg = numerics(recipe, calibration_steps=args.calibration_steps, oe_k=args.oe_k).replace(
             backend=args.backend, seed=args.seed)
         cfg = cfg.with_gemm_settings(**gemm_settings(args))
+        budgeted = args.hp_budget is not None and cfg.adaptive and cfg.policy in QUANT_POLICIES
+        if budgeted:
+            cfg = cfg.replace(hp_budget=args.hp_budget)
         adahop.convert_to_adahop_training(model, config=cfg, module_filter_fn=layer_filter(model, args.layers))
         if not adahop.adahop_layers(model):
             names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][:3]
@@ -128,22 +144,28 @@ def measure(args, recipe: str, pretrained, corpus, device: torch.device) -> dict
                           max_batches=args.eval_batches)
     modes = {name: layer.modes for name, layer in adahop.adahop_layers(model).items()}
     share = mxfp4_flop_share(model, args.seq_len, gemms=("fprop",))  # the share of the forward's FLOPs
+    hp = converted_hp_share(model, args.seq_len * args.batch_size) if recipe != "bf16" else 1.0
     label = recipe + "".join(f" ({p} fprop {m})" for p, m in args.set_fprop if recipe != "bf16")
     if gemm_settings(args) and recipe != "bf16":
         label += " (" + ", ".join(f"{k} {v}" for k, v in gemm_settings(args).items()) + ")"
+    if budgeted:
+        label += f" (hp_budget {args.hp_budget:g})"
     return {"recipe": recipe, "label": label, "heldout_loss": result["loss"], "tokens": result["tokens"],
-            "fprop_mxfp4_share": share, "sources": {s: v["loss"] for s, v in result["sources"].items()},
+            "fprop_mxfp4_share": share, "converted_fprop_hp_share": hp,
+            "sources": {s: v["loss"] for s, v in result["sources"].items()},
             "seconds": time.perf_counter() - start, "modes": modes}
 
 
 def table(rows: list[dict]) -> str:
     base = next((r["heldout_loss"] for r in rows if r["recipe"] == "bf16"), math.nan)
     sources = list(rows[0]["sources"])
-    head = "| recipe | forward FLOPs in MXFP4 | held-out loss | gap to bf16 | " + " | ".join(sources) + " |"
-    lines = [head, "|" + "---|" * (4 + len(sources))]
+    head = ("| recipe | forward FLOPs in MXFP4 | converted forward in high precision | held-out loss | gap to bf16 | "
+            + " | ".join(sources) + " |")
+    lines = [head, "|" + "---|" * (5 + len(sources))]
     for r in rows:
         per = " | ".join(f"{r['sources'][s]:.4f}" for s in sources)
-        lines.append(f"| {r['label']} | {r['fprop_mxfp4_share']:.1%} | {r['heldout_loss']:.4f} | "
+        lines.append(f"| {r['label']} | {r['fprop_mxfp4_share']:.1%} | {r['converted_fprop_hp_share']:.1%} | "
+                     f"{r['heldout_loss']:.4f} | "
                      f"{r['heldout_loss'] - base:+.4f} | {per} |")
     return "\n".join(lines)
 
@@ -172,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-batches", type=int, default=2, help="batches of each source's validation shard")
     p.add_argument("--calibration-steps", type=int, default=3, help="adaptive recipes: forward + backward passes")
     p.add_argument("--oe-k", type=int, default=16, help="OE k of every GEMM (default: %(default)s)")
+    p.add_argument("--hp-budget", type=float, default=None,
+                   help="the high-precision budget of the measured and loss-aware policies, a share of the GEMM "
+                        "FLOPs (default: each recipe's)")
     p.add_argument("--seed", type=int, default=0, help="calibration windows and SR draws")
     p.add_argument("--backend", default="auto", help="GEMM backend (default: %(default)s)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
@@ -184,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("seq_len", "batch_size", "eval_batches", "calibration_steps", "oe_k"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.hp_budget is not None and not 0 <= args.hp_budget <= 1:
+        p.error("--hp-budget must be in [0, 1] (a share of the GEMM FLOPs)")
     try:
         args.set_fprop = parse_set_fprop(args.set_fprop)
     except ValueError as e:

@@ -294,6 +294,8 @@ def test_patterns_only_and_the_scale_of_g(tmp_path):
         g, g_ref = layer(st, name)["tensors"]["g"], layer(ref, name)["tensors"]["g"]
         assert g["pattern"] == g_ref["pattern"] == "row"
         assert g["steps"][0]["rms"] == pytest.approx(g_ref["steps"][0]["rms"] * 2.0**-40, rel=1e-4)
+        # (but G's own squared norm, which is 2**-80 the unscaled one's)
+        assert g["mean"].pop("energy") == pytest.approx(g_ref["mean"].pop("energy") * 2.0**-80, rel=1e-5)
         assert g["mean"] == pytest.approx(g_ref["mean"], rel=1e-5)
         assert layer(st, name)["policies"] == layer(ref, name)["policies"]
     assert st["summary"]["measured_gemms"] == 0 and "sqnr_db" not in layer(st, "fc1")["gemms"]["fprop"]

@@ -121,12 +121,33 @@ def _loops(rank, world, root) -> dict:
     return result
 
 
+def _loss_aware(rank, world, root) -> dict:
+    """A policy over the whole model under DDP: the trainer and a loop of one's own."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    # one calibration step: each rank's own observation alone would be complete, the merged one
+    # is what the decision must read
+    cfg = config(Path(root), "adahop_loss_aware", parallel="ddp", steps=STEPS, calibration_steps=1,
+                 calibration_micro_batches=2, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0)
+    trainer_model = tiny_model()
+    train(cfg, model=trainer_model, train_batches=IndexedBatches())
+    ours = own_loop(cfg, rank, world, lambda m: DistributedDataParallel(m, broadcast_buffers=False),
+                    no_sync=lambda m: m.no_sync())
+    layers = list(adahop.adahop_layers(ours).values())
+    decided = layers[0].config.model_policy({i: m.calibration.summary() for i, m in enumerate(layers)})
+    merged = [adahop.policy.policy_result(decided[i])[0] for i in range(len(layers))]
+    return {"own": state(ours), "trainer": state(trainer_model), "from_merged": merged}
+
+
 def _entry(rank, world, port, root, scenario):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        result = {"outside": outside_split()} if scenario == "outside" else _loops(rank, world, root)
+        if scenario == "outside":
+            result = {"outside": outside_split()}
+        else:
+            result = (_loss_aware if scenario == "loss_aware" else _loops)(rank, world, root)
         Path(root, f"result.{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -164,6 +185,19 @@ def test_a_loop_of_ones_own_freezes_the_trainers_modes_on_every_rank(ranks, kind
     assert set(r0["own"]["calls"].values()) == {7} and set(r1["own"]["calls"].values()) == {8}
 
 
+def test_the_loss_aware_policy_freezes_every_rank_together(tmp_path):
+    """Every layer's ranks merged before the whole-model decision: the modes are the policy's on
+    the merged calibration (2 observations, one a rank), the same on both ranks, as the
+    trainer's."""
+    r0, r1 = _spawn(tmp_path, "loss_aware")
+    assert r0["own"]["modes"] == r1["own"]["modes"] and all(m is not None for m in r0["own"]["modes"].values())
+    assert r0["own"]["calibration"] == r1["own"]["calibration"]
+    assert all(sum(c["g"]["votes"].values()) == 2 for c in r0["own"]["calibration"].values())
+    assert list(r0["own"]["modes"].values()) == r0["from_merged"]
+    for r in (r0, r1):
+        assert r["own"]["modes"] == r["trainer"]["modes"] and r["own"]["calibration"] == r["trainer"]["calibration"]
+
+
 def test_a_calibrating_pass_outside_split_is_an_error_under_several_ranks(outside_ranks):
     assert all("outside step.split(...)" in r["outside"] for r in outside_ranks)
 
@@ -175,6 +209,20 @@ def test_in_one_process_it_calibrates_as_the_trainer(tmp_path):
     train(cfg, model=trainer_model, train_batches=IndexedBatches())
     ours = own_loop(cfg, 0, 1, lambda m: m)
     assert state(ours) == state(trainer_model) and all(m is not None for m in state(ours)["modes"].values())
+    assert weight_difference(ours, trainer_model) == 0.0
+
+
+def test_in_one_process_the_loss_aware_policy_freezes_as_the_trainer(tmp_path):
+    """A policy over the whole model (every layer waits for the others, then one decision): the
+    trainer and a loop of one's own freeze the same modes at the same step, the parts of a
+    micro-batch merged into one observation."""
+    cfg = config(tmp_path, "adahop_loss_aware", parallel="none", steps=STEPS, calibration_steps=2,
+                 calibration_micro_batches=2, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0)
+    trainer_model = tiny_model()
+    train(cfg, model=trainer_model, train_batches=IndexedBatches())
+    ours = own_loop(cfg, 0, 1, lambda m: m)
+    assert state(ours) == state(trainer_model) and all(m is not None for m in state(ours)["modes"].values())
+    assert all(sum(c["g"]["votes"].values()) == 2 for c in state(ours)["calibration"].values())
     assert weight_difference(ours, trainer_model) == 0.0
 
 

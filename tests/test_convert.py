@@ -403,9 +403,14 @@ def test_converted_tiny_transformer_trains_under_every_recipe(recipe, tokens):
     if recipe in ADAPTIVE:
         assert adahop.is_calibrated(model)
         level = cfg.policy
-        for layer in layers.values():
+        if level == "loss_aware":  # one decision over the model, from every layer's statistics
+            decided = cfg.model_policy({name: layer.calibration.summary() for name, layer in layers.items()})
+        for name, layer in layers.items():
             assert layer.calibration.steps == 3
-            if level == "measured":  # the modes (and OE k) the measured policy picks from the statistics
+            if level == "loss_aware":
+                modes, oe_ks = policy_result(decided[name])
+                assert layer.modes == modes and (layer.oe_ks or {}) == oe_ks
+            elif level == "measured":  # the modes (and OE k) the measured policy picks from the statistics
                 modes, oe_ks = policy_result(cfg.policy_fn(layer.calibration.summary()))
                 assert layer.modes == modes and (layer.oe_ks or {}) == oe_ks
             else:

@@ -145,7 +145,7 @@ def test_bad_statistics_give_a_defined_choice():
     (dict(hp_budget=-0.1), r"hp_budget must be a number in \[0, 1\]"),
     (dict(hp_budget="8%"), r"hp_budget must be a number in \[0, 1\]"),
     (dict(hp_budget=True), r"hp_budget must be a number in \[0, 1\]"),
-    (dict(policy="measure"), r"policy must be one of \('lv1', 'lv2', 'measured'\)"),
+    (dict(policy="measure"), r"policy must be one of \('lv1', 'lv2', 'measured', 'loss_aware'\)"),
 ])
 def test_bad_config_is_a_one_line_error(bad, match):
     with pytest.raises(ValueError, match=match) as e:

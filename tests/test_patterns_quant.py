@@ -14,6 +14,7 @@ from adahop.ops.operand import OperandSpec, quantize_operand, transform_along
 from adahop.ops.outliers import topk_outer
 from adahop.patterns.calibration import STAT_NAMES, LayerCalibration, TensorObservation, observe_tensor
 from adahop.patterns.detect import topk_energy_share, unit_scaled
+from adahop.patterns.observation import ENERGY
 from adahop.patterns.quant_error import oe_k_ladder, quant_stats, stat_names
 
 
@@ -67,6 +68,8 @@ def test_sampled_quant_stats_are_close_to_the_exact_ones():
 def test_quant_stats_scale_with_powers_of_two_and_are_nan_without_signal():
     t = planted("row", shape=(128, 96))
     obs, obs_small = observe_tensor(t, tau=2.0, k=8), observe_tensor(t * 2.0**-50, tau=2.0, k=8)
+    # every statistic is scale-free but the tensor's own squared norm, which scales exactly
+    assert obs_small.quant.pop(ENERGY) == obs.quant.pop(ENERGY) * 2.0**-100
     assert obs_small == obs
     ks = oe_k_ladder(8)
     profiles = {"prof_mxfp4_d1", "prof_energy_d1", "prof_iht_d1", *(f"prof_oe_d1@{k}" for k in ks)}
@@ -78,7 +81,8 @@ def test_quant_stats_scale_with_powers_of_two_and_are_nan_without_signal():
     assert sum(obs.quant["prof_energy_d1"]) == pytest.approx(1.0, rel=1e-5)
     for bad in (torch.zeros(64, 64), torch.full((64, 64), math.nan)):
         o = observe_tensor(bad, tau=2.0, k=8)
-        assert o.pattern == "none" and all(math.isnan(o.quant[s]) for s in o.quant if s not in ("rows", "cols"))
+        assert o.pattern == "none" and all(math.isnan(o.quant[s]) for s in o.quant if s not in ("rows", "cols", ENERGY))
+        assert o.quant[ENERGY] == 0.0 if bad.isfinite().all() else math.isnan(o.quant[ENERGY])
     assert oe_k_ladder(64) == (16, 32, 64, 128) and oe_k_ladder(2) == (1, 2, 4)
 
 

@@ -557,6 +557,15 @@ def test_pretrained_forward_benchmark(corpus, tmp_path, capsys):
     assert rows["bf16"]["fprop_mxfp4_share"] == 0 and 0.5 < rows["mxfp4"]["fprop_mxfp4_share"] < 1  # the LM head
     assert all(m is not None for m in rows["adahop_lv2"]["modes"].values()) and len(rows["adahop_lv2"]["modes"]) == 14
     assert "| adahop_lv2 |" in capsys.readouterr().out
+    # the loss-aware policy at a budget of its own (the other recipes have none), and the share of
+    # the converted forward in high precision: within 3 x the budget (all three GEMMs' FLOPs)
+    assert bench.main(["--init", str(folder), "--corpus", str(corpus), "--recipes", "adahop_loss_aware", "mxfp4",
+                       "--hp-budget", "0.2", "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1",
+                       "--calibration-steps", "2", "--backend", "reference", "--device", "cpu",
+                       "--out", str(out)]) == 0
+    aware, naive = map(json.loads, out.read_text().splitlines()[-2:])
+    assert aware["label"] == "adahop_loss_aware (hp_budget 0.2)" and naive["label"] == "mxfp4"
+    assert 0 < aware["converted_fprop_hp_share"] <= 0.6 and naive["converted_fprop_hp_share"] == 0
     assert bench.main(["--init", str(folder), "--corpus", str(corpus), "--recipes", "adahop_lv2",
                        "--layers", "*.w2", "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1",
                        "--calibration-steps", "2",

@@ -34,6 +34,8 @@ What it owns (``patterns.calibration`` holds the statistics themselves):
 * **The freeze.** A layer whose merged count reaches ``calibration_steps`` votes its patterns and
   takes its modes on every rank from the same numbers; the ranks' modes, patterns and calibration
   state are then compared (``RankMismatchError`` on every rank if they differ, as at the start).
+  Under a policy over the whole model (loss_aware) every layer is merged first, and the layers
+  freeze together once all are complete (``calibration_group``).
 
 With one process (no process group, or a group of one) the layers calibrate and freeze on their
 own and only the split is left to do; the same loop runs either way.
@@ -56,6 +58,7 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
+from adahop.calibration_group import CalibrationGroup
 from adahop.convert import adahop_layers, calibration_parts, is_calibrated
 from adahop.patterns.calibration import TENSOR_ROLES, LayerCalibration, read_calibrations
 
@@ -126,6 +129,12 @@ class Calibrator:
         self.rank = 0 if process_group is None else dist.get_rank(process_group)
         self.steps = 0  # steps run through step() (numbers the freeze's step in messages)
         self._layers = dict(sorted(adahop_layers(model).items()))
+        # Layers under a policy over the whole model that no conversion grouped (built from a
+        # config: torchtitan's) freeze together, as convert_to_adahop_training's do.
+        ungrouped = [m for m in self._layers.values()
+                     if m.config.adaptive and m.config.model_policy is not None and m.calibration_group is None]
+        if ungrouped:
+            CalibrationGroup(ungrouped)
         self._merged: dict = {}  # layer -> its merged calibration while a forward observes apart
         self._sr_next: dict = {}  # layer -> its next call count n (host side)
         self._sr_checked = False
@@ -253,15 +262,16 @@ class Calibrator:
         if any(set(g) != set(mine) for g in gathered):
             raise RankMismatchError(f"the ranks calibrate different layers at step {step}; every rank must convert "
                                     "the same layers with the same config")
-        frozen = []
         for fqn, total in self._merged.items():
             for part in gathered:
                 add_calibration(total, LayerCalibration.from_dict(part[fqn]))
+            self._layers[fqn].calibration = total
+        # (every layer merged first: a policy over the whole model reads them all when it freezes)
+        for fqn in self._merged:
             layer = self._layers[fqn]
-            layer.calibration = total
-            if layer.calibration.steps >= layer.config.calibration_steps:
-                layer.finish_calibration()
-                frozen.append(fqn)
+            if layer.calibrating and layer.calibration.steps >= layer.config.calibration_steps:
+                layer.finish_calibration(wait_for_group=True)
+        frozen = [fqn for fqn in self._merged if not self._layers[fqn].calibrating]
         self._merged = {}
         self._observed = self._step_counts()
         if frozen:

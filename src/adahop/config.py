@@ -17,6 +17,10 @@ recipe          what it does
 ``adahop_measured``  calibrate, then the measured policy: each GEMM's mode from how well its
                 operands quantize under each mode, at most ``hp_budget`` (8%) of the FLOPs in
                 high precision (``policy.MeasuredPolicy``)
+``adahop_loss_aware``  calibrate, then the loss-aware policy: the modes of every GEMM of the
+                model chosen together, by their predicted effect on the loss, at most
+                ``hp_budget`` (3%) of the model's GEMM FLOPs in high precision
+                (``loss_aware_policy.LossAwarePolicy``)
 ==============  ===============================================================================
 
 These are the numerics recipes. A recipe may add a precision schedule (a BF16 phase, BF16 blocks:
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field
 
 from adahop.formats.mxfp4 import DEFAULT_BLOCK_SIZE, ROUNDINGS, SCALE_MODES, check_block_size, check_choice
 from adahop.formats.rng import check_seed
+from adahop.loss_aware_policy import DEFAULT_LOSS_AWARE_BUDGET, LossAwarePolicy
 from adahop.ops.backends import backend_choices, backend_names
 from adahop.patterns.detect import DEFAULT_TAU, check_tau
 from adahop.policy import DEFAULT_HP_BUDGET, GEMM_MODES, GEMMS, POLICIES, MeasuredPolicy, check_hp_budget, check_modes
@@ -102,14 +107,16 @@ class AdaHOPConfig:
     dgrad: GemmConfig = field(default_factory=lambda: GemmConfig(a_rounding="sr"))
     wgrad: GemmConfig = field(default_factory=lambda: GemmConfig(a_rounding="sr"))
     # Adaptive recipes calibrate and let ``policy`` choose each GEMM's mode: a level of the
-    # strategy table ("lv2", "lv1") or "measured" (``policy.MeasuredPolicy``).
+    # strategy table ("lv2", "lv1"), "measured" (``policy.MeasuredPolicy``) or "loss_aware" (one
+    # decision over all the layers converted together: ``model_policy``).
     adaptive: bool = True
     policy: str = "lv2"
     # Optional replacement of the table: summary -> {fprop, dgrad, wgrad: mode} (see policy.py).
     # With policy="measured" and none given, the config makes it: the measured policy with
     # ``hp_budget``, choosing each OE GEMM's k around its ``oe_k`` (remade whenever the config is).
     policy_fn: Callable[[Mapping], Mapping] | None = None
-    # The measured policy's budget: the share of a layer's GEMM FLOPs in high precision.
+    # The measured policy's budget: the share of a layer's GEMM FLOPs in high precision; the
+    # loss-aware policy's: the share of the GEMM FLOPs of all the layers converted together.
     hp_budget: float = DEFAULT_HP_BUDGET
     calibration_steps: int = DEFAULT_CALIBRATION_STEPS
     # What the GEMMs run while calibrating: "bf16" (the paper's calibration) or "iht" (every GEMM
@@ -178,9 +185,19 @@ class AdaHOPConfig:
             if not self.adaptive and set(self.fixed_modes().values()) == {"bf16"}:
                 raise ValueError(f"quantized_all_gather: recipe {self.recipe!r} runs no MXFP4 GEMM, there is nothing "
                                  "to gather quantized")
+        if self.policy == "loss_aware" and self.policy_fn is not None:
+            raise ValueError("policy 'loss_aware' decides over all the layers at once (model_policy); a per-layer "
+                             "policy_fn cannot replace it: give policy_fn with policy 'lv2', 'lv1' or 'measured'")
         if self.policy == "measured" and (self.policy_fn is None or isinstance(self.policy_fn, _ConfigMeasuredPolicy)):
             # k is part of the choice (from k/4 to 2k of each GEMM's oe_k: quant_error.oe_k_ladder)
             object.__setattr__(self, "policy_fn", _ConfigMeasuredPolicy(self.hp_budget, None))
+
+    @property
+    def model_policy(self) -> LossAwarePolicy | None:
+        """The policy over the whole model (``{layer: summary} -> {layer: modes}``) of policy
+        "loss_aware", with ``hp_budget`` (``calibration_group`` runs it); None for a per-layer
+        policy."""
+        return LossAwarePolicy(self.hp_budget) if self.policy == "loss_aware" else None
 
     def gemm(self, name: str) -> GemmConfig:
         check_choice("gemm", name, GEMMS)
@@ -307,6 +324,10 @@ def adahop_measured() -> AdaHOPConfig:
     return AdaHOPConfig(recipe="adahop_measured", policy="measured")
 
 
+def adahop_loss_aware() -> AdaHOPConfig:
+    return AdaHOPConfig(recipe="adahop_loss_aware", policy="loss_aware", hp_budget=DEFAULT_LOSS_AWARE_BUDGET)
+
+
 # Why from_recipe_name refuses each recipe of adahop.recipes.SCHEDULED_RECIPES (numerics plus a
 # precision schedule), by name. adahop.recipes fills it as it defines them: it is built on this
 # module, which therefore cannot import it (no import cycle: tests/test_layout.py), and the package
@@ -321,4 +342,5 @@ RECIPES: dict[str, Callable[[], AdaHOPConfig]] = {
     "adahop_lv2": adahop_lv2,
     "adahop_lv1": adahop_lv1,
     "adahop_measured": adahop_measured,
+    "adahop_loss_aware": adahop_loss_aware,
 }

@@ -40,6 +40,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from adahop.calibration_group import CalibrationGroup
 from adahop.config import AdaHOPConfig
 from adahop.linear import AdaHOPLinear
 
@@ -208,6 +209,8 @@ def convert_to_adahop_training(
                     refused += 1
         if not adahop_layers(model) and not isinstance(model, AdaHOPLinear):
             _warn_nothing_converted(model, refused)
+    if config.adaptive and config.model_policy is not None:  # they freeze together (calibration_group)
+        CalibrationGroup(converted.values())
     if config.quantized_all_gather:  # (imported here: torch.distributed's FSDP2, for this option only)
         from adahop.quantized_all_gather import install
 
@@ -248,5 +251,10 @@ def calibration_parts(model: nn.Module, parts: int):
 
 
 def finish_calibration(model: nn.Module) -> dict[str, dict]:
-    """Freeze every still-calibrating adaptive layer now (from the steps seen so far)."""
-    return {fqn: m.finish_calibration() for fqn, m in adahop_layers(model).items() if m.calibrating}
+    """Freeze every still-calibrating adaptive layer now (from the steps seen so far); returns
+    their modes. (A layer under a policy over the whole model freezes its group with it.)"""
+    calibrating = {fqn: m for fqn, m in adahop_layers(model).items() if m.calibrating}
+    for m in calibrating.values():
+        if m.calibrating:
+            m.finish_calibration()
+    return {fqn: dict(m.modes) for fqn, m in calibrating.items()}

@@ -49,8 +49,12 @@ def lm_loss(model: nn.Module, batch) -> torch.Tensor:
 
 
 def layer_policy(layer) -> Callable:
-    """The policy a layer froze its modes with: its config's ``policy_fn``, else the table."""
+    """The policy a layer froze its modes with: its config's ``policy_fn``, else the table. A
+    policy over the whole model (loss_aware) decides here for the layer alone, with its budget
+    over the layer's own FLOPs: a re-measured layer is not compared with the others'."""
     cfg = layer.config
+    if cfg.model_policy is not None:
+        return lambda s: cfg.model_policy({0: s})[0]
     return cfg.policy_fn if cfg.policy_fn is not None else (lambda s: table_policy(s, cfg.policy))
 
 
@@ -70,8 +74,8 @@ def measure_drift(model: nn.Module, batches: Iterable, *, loss_fn: Callable | No
     modes afterwards."""
     layers = {n: m for n, m in adahop_layers(model).items() if not m.calibrating and m.config.adaptive}
     if not layers:
-        raise ValueError("measure_drift needs a calibrated adaptive model (adahop_lv2, adahop_lv1, adahop_measured) "
-                         "with frozen modes: no converted layer has them")
+        raise ValueError("measure_drift needs a calibrated adaptive model (adahop_lv2, adahop_lv1, adahop_measured, "
+                         "adahop_loss_aware) with frozen modes: no converted layer has them")
     loss_fn = loss_fn or lm_loss
     cals = {n: LayerCalibration() for n in layers}
     params = [p for p in model.parameters() if p.requires_grad]

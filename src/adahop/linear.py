@@ -45,6 +45,7 @@ import zlib
 import torch
 from torch import nn
 
+from adahop.calibration_group import CalibrationGroup
 from adahop.config import AdaHOPConfig
 from adahop.formats.rng import mix_seeds, mix_seeds_from
 from adahop.gemm_geometry import GEMM_INDEX
@@ -61,7 +62,7 @@ from adahop.layer import (  # noqa: F401  (GemmPlan, LayerPlan, make_gemm_plan, 
 from adahop.layer.bounds import input_bound
 from adahop.patterns.calibration import LayerCalibration, observe_on_device, tensor_part
 from adahop.patterns.detect import check_patterns
-from adahop.policy import GEMMS, policy_result, table_policy
+from adahop.policy import GEMMS, QUANT_POLICIES, policy_result, table_policy
 
 EXTRA_STATE_VERSION = 1
 
@@ -124,6 +125,9 @@ class AdaHOPLinear(nn.Linear):
         # False: the layer does not freeze itself when calibration ends; the caller merges the
         # observations first (e.g. across data-parallel ranks) and calls finish_calibration.
         self.freeze_when_calibrated = True
+        # The layers this one freezes with under a policy over the whole model (loss_aware):
+        # set by convert_to_adahop_training (None: a group of this layer alone, made when needed).
+        self.calibration_group: CalibrationGroup | None = None
         # How many consecutive training calls make one calibration observation: a micro-batch
         # run as that many parts (``convert.calibration_parts``); the parts of x and g wait in
         # ``_parts`` (small per-row and per-column statistics) until the last one comes.
@@ -187,10 +191,10 @@ class AdaHOPLinear(nn.Linear):
         parts = self._parts.get(role)
         if role == "w" and self.calibration_parts > 1 and len(self._parts["x"]) != 1:
             return  # a later part's weight (x is observed first): the same tensor as the first's
-        # The quantization statistics (patterns.quant_error) are what the measured policy reads,
-        # and cost about a third more calibration time: only for it. The weight's error profile
-        # along dim 0 too: dgrad quantizes it along N.
-        part = tensor_part(t, k=k, quant=self.config.policy == "measured",
+        # The quantization statistics (patterns.quant_error) are what the measured and loss-aware
+        # policies read, and cost about a third more calibration time: only for them. The weight's
+        # error profile along dim 0 too: dgrad quantizes it along N.
+        part = tensor_part(t, k=k, quant=self.config.policy in QUANT_POLICIES,
                            profile_dims=(1, 0) if role == "w" else (1,))
         # (all on the device: the observation is added there, and read back at the freeze)
         if parts is None or self.calibration_parts == 1:
@@ -205,23 +209,40 @@ class AdaHOPLinear(nn.Linear):
         # (the step count is host-side: only the freeze reads the observations back)
         if (self.freeze_when_calibrated and self.calibrating
                 and self.calibration.steps >= self.config.calibration_steps):
-            self.finish_calibration()
+            self.finish_calibration(wait_for_group=True)
 
-    def finish_calibration(self) -> dict:
+    def finish_calibration(self, *, wait_for_group: bool = False) -> dict | None:
         """Vote the patterns, let the policy pick the modes, freeze them. Returns the modes. The
-        calibration's one read of the device: its summary (``LayerCalibration.summary``)."""
+        calibration's one read of the device: its summary (``LayerCalibration.summary``).
+
+        Under a policy over the whole model (``config.model_policy``) the layer's group decides
+        (``calibration_group``): with ``wait_for_group`` (this layer's steps are complete) once
+        every member's are, else now, freezing every calibrating member; returns None while the
+        layer still waits."""
         if not self.config.adaptive:
             raise ValueError(f"recipe {self.config.recipe!r} is not adaptive: it has no calibration")
         if self.calibration.steps == 0:
             raise ValueError(f"layer {self.layer_name!r} has observed no backward pass yet")
+        if self.config.model_policy is not None:
+            group = self.calibration_group or CalibrationGroup([self])
+            if wait_for_group:
+                group.layer_complete(self)
+            else:
+                group.freeze()
+            return None if self.calibrating else dict(self.modes)
         summary = self.calibration.summary()
         policy = self.config.policy_fn
         result = policy(summary) if policy is not None else table_policy(summary, self.config.policy)
+        self.freeze_with(summary, result)
+        return dict(self.modes)
+
+    def freeze_with(self, summary: dict, result) -> None:
+        """Freeze the layer with a policy's ``result`` for its calibration ``summary`` (the
+        config's own rules applied after it: ``AdaHOPConfig.layer_modes``)."""
         modes, oe_ks = self.config.layer_modes(self.layer_name, *policy_result(result))
         self.patterns = {r: summary[r]["pattern"] for r in ("x", "w", "g")}
         self.__dict__["oe_ks"] = oe_ks or None
         self.modes = modes  # (after oe_ks: the numerics follow both)
-        return dict(self.modes)
 
     def set_modes(self, modes: dict, patterns: dict | None = None, oe_ks: dict | None = None) -> None:
         """Freeze the layer's modes (e.g. loaded from JSON): no calibration afterwards. ``oe_ks``:

@@ -36,7 +36,12 @@ from adahop.patterns.detect import PATTERNS
 
 GEMM_MODES = ("bf16", "mxfp4", "iht", "iht+oe_left", "iht+oe_right")
 POLICY_LEVELS = ("lv1", "lv2")  # the strategy table's levels
-POLICIES = (*POLICY_LEVELS, "measured")  # AdaHOPConfig.policy: a table level or the measured policy
+# AdaHOPConfig.policy: a table level, the measured policy, or the loss-aware policy (a decision over
+# the whole model: adahop.loss_aware_policy)
+POLICIES = (*POLICY_LEVELS, "measured", "loss_aware")
+# The policies that read the calibration's quantization statistics (patterns.quant_error), which
+# cost about a third more calibration time: only they record them.
+QUANT_POLICIES = ("measured", "loss_aware")
 
 _TABLE = {
     ("row", "row"): "iht",

@@ -4,7 +4,7 @@
 ``Recipe(name, config, schedule)``:
 
 - the numerics recipes of ``config.RECIPES`` (bf16, mxfp4, mxfp4_iht, tseng, adahop_lv2,
-  adahop_lv1, adahop_measured), each with no schedule;
+  adahop_lv1, adahop_measured, adahop_loss_aware), each with no schedule;
 - the scheduled recipes of ``SCHEDULED_RECIPES``: a numerics recipe and a BF16 phase. The default,
   ``adahop_lv2_tail``, is adahop_lv2 with the forward GEMM in BF16 for the last 18% of the steps,
   the smallest gap to bf16 measured, at 125M and on SmolLM2 (docs/method.md, 'Recipes').

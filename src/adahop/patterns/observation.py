@@ -43,6 +43,9 @@ from adahop.patterns.detect import (
 from adahop.patterns.quant_error import PROFILE_DIMS, QuantTensors, oe_k_ladder, quant_tensors, stat_names
 
 STAT_NAMES = ("cv_row", "cv_col", "row_energy_topk", "col_energy_topk")
+# With the quantization statistics: the tensor's squared Frobenius norm, in its own scale (the sum
+# over a micro-batch's parts; the mean over the calibration steps, as every statistic).
+ENERGY = "energy"
 
 
 @dataclass
@@ -96,7 +99,8 @@ class TensorPart:
     merges it, all on the device: the part scaled by ``2**-exp`` (``detect.unit_scaled``; ``exp``
     a 0-d int64 tensor) and, on that scale, its rows' variances and squared norms, its columns'
     means, variances and squared norms, and its quantization statistics
-    (``quant_error.quant_tensors``; None when not asked). ``finite``: 0-d bool, False where the
+    (``quant_error.quant_tensors``, with the part's own squared norm, ``ENERGY``; None when not
+    asked). ``finite``: 0-d bool, False where the
     part holds NaN or Inf (its other numbers are then meaningless)."""
 
     finite: torch.Tensor
@@ -131,6 +135,9 @@ def tensor_part(t: torch.Tensor, *, k: int, quant: bool = True,
             nan = torch.full((), math.nan, dtype=torch.float64, device=m.device)
             stats = QuantTensors(dict.fromkeys(stat_names(ks), nan), {},
                                  torch.zeros((), dtype=torch.bool, device=m.device))
+        # The tensor's own squared norm (not scale-free, unlike the others): what the loss-aware
+        # policy weighs a GEMM's relative error with (loss_aware_policy). 0 for an empty tensor.
+        stats.stats[ENERGY] = torch.ldexp(row_e.double().sum(), 2 * exp)
     # (a variance needs two values: a single row or column gets zeros, which the scores ignore)
     row_var = m.var(dim=1) if cols > 1 and rows else torch.zeros(rows, device=m.device)
     col_var = m.var(dim=0) if rows > 1 and cols else torch.zeros(cols, device=m.device)
@@ -233,6 +240,8 @@ def _merge_quant(quants: list[QuantTensors], weights: torch.Tensor, row_e: torch
             stats[name] = torch.stack([q.stats[name] for q in quants]).sum()
         elif name == "cols":
             stats[name] = first
+        elif name == ENERGY:  # the whole tensor's squared norm: the parts' add up
+            stats[name] = torch.stack([q.stats[name] for q in quants]).sum()
         elif name.startswith("share_"):  # the share of the k largest slices of the whole tensor
             energy = row_e if name.startswith("share_rows") else col_e
             top = int(name.split("@")[1])
