@@ -320,9 +320,11 @@ def section_bounds() -> list[dict]:
         alone = torch.compile(norm)
         with_bound = torch.compile(lambda t: (lambda y: (y, y.abs().amax(1).float()))(norm(t)))  # noqa: B023
         y0, (y1, m1) = alone(h), with_bound(h)
-        ok = torch.equal(y0, y1) and torch.equal(m1, magnitude_bound(y0, 1))
+        # Inductor may take the maximum before the bfloat16 rounding (the bound's slack covers it)
+        m0 = magnitude_bound(y0, 1)
+        ok = torch.equal(y0, y1) and bool(((m1 - m0).abs() <= m0 * 2.0**-8).all())
         t_alone, t_with = bench(lambda: alone(h), rep=50), bench(lambda: with_bound(h), rep=50)  # noqa: B023
-        row = dict(operand="rmsnorm", shape=(T_, K), bound_equals_eager=ok, rmsnorm_ms=t_alone,
+        row = dict(operand="rmsnorm", shape=(T_, K), bound_within_rounding_of_eager=ok, rmsnorm_ms=t_alone,
                    rmsnorm_with_bound_ms=t_with, bound_cost_ms=t_with - t_alone,
                    rmsnorm_share=share(T_ * K * 4, t_alone), copy_GBps=copy_gbs)
         rows.append(row)

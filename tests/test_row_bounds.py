@@ -247,8 +247,7 @@ def test_compiled_layers_take_the_bounds_and_match_eager(monkeypatch):
                             adahop.AdaHOPLinear.from_float(nn.Linear(96, 64, bias=False), config=cfg, name="b")])
     norm_w = torch.rand(64) + 0.5
 
-    def loss_of(mods, x):
-        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w  # the bound's producer
+    def loss_of(mods, h):  # (h: the eager norm's output, so that both runs see the same bits on a GPU too)
         return mods[1](nn.functional.silu(mods[0](h))).float().pow(2).mean()
 
     x = make((64, 64), seed=5, spread=0.5).float()
@@ -262,12 +261,12 @@ def test_compiled_layers_take_the_bounds_and_match_eager(monkeypatch):
         fn = loss_of
         if compiled:
             torch._dynamo.reset()
-            explained = torch._dynamo.explain(loss_of)(copy.deepcopy(layers), x)
+            explained = torch._dynamo.explain(loss_of)(copy.deepcopy(layers), x.clone().requires_grad_())
             assert explained.graph_break_count == 0, explained.break_reasons
             fn = torch.compile(loss_of, backend="aot_eager", fullgraph=True)
         given.clear()
         xx = x.clone().requires_grad_()
-        loss = fn(mods, xx)
+        loss = fn(mods, xx * torch.rsqrt(xx.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w)
         loss.backward()
         assert given and all(given)  # x (quantize_and_pack) and g (quantize_both) of both layers
         results.append((loss.detach(), xx.grad, [m.weight.grad for m in mods]))

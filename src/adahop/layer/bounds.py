@@ -24,10 +24,13 @@ from adahop.layer.plan import numerics_templates
 def magnitude_bound(t: torch.Tensor, dim: int) -> torch.Tensor:
     """float32 ``t.abs().amax(dim)`` of a 2-D ``t``: each slice's largest magnitude along ``dim``
     (NaN where a slice holds NaN; 0 for slices of no elements). Of ``t`` detached: no gradient
-    flows through a bound, and autograd keeps nothing for one."""
+    flows through a bound, and autograd keeps nothing for one. As the infinity norm: one
+    reduction kernel in eager mode, where ``abs()`` would first write a copy of ``t`` (three
+    passes over it instead of one: 0.165 ms against the quantize's 0.08 for x [32768, 2048] on
+    the H100); Inductor lowers it to the same maximum of magnitudes."""
     if t.shape[dim] == 0:
         return torch.zeros(t.shape[1 - dim], dtype=torch.float32, device=t.device)
-    return t.detach().abs().amax(dim).float()
+    return torch.linalg.vector_norm(t.detach(), float("inf"), dim).float()
 
 
 @torch.compiler.assume_constant_result
