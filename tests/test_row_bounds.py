@@ -272,3 +272,27 @@ def test_compiled_layers_take_the_bounds_and_match_eager(monkeypatch):
         results.append((loss.detach(), xx.grad, [m.weight.grad for m in mods]))
     (le, xe, we), (lc, xc, wc) = results
     assert torch.equal(le, lc) and torch.equal(xe, xc) and all(torch.equal(a, b) for a, b in zip(we, wc))
+
+
+@pytest.mark.parametrize("shape", [(70, 300), (1, 5), (130, 64)])
+def test_row_and_column_maxima_from_one_read(shape):
+    """``kernels.magnitude``: the infinity norms of rows and columns, NaN where one holds NaN; the
+    custom op the backward calls gives the same."""
+    from adahop.kernels.magnitude import row_col_absmax
+
+    x = make(shape, seed=shape[0])
+    x[0, -1] = -1e30
+    if shape[0] > 3:
+        x[3, 2] = float("nan")
+    rows, cols = row_col_absmax(x)
+    for got, dim in ((rows, 1), (cols, 0)):
+        want = torch.linalg.vector_norm(x, float("inf"), dim).float()
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+    op = torch.ops.adahop.row_col_magnitudes(x)
+    assert torch.equal(torch.nan_to_num(op[0]), torch.nan_to_num(rows))
+    assert torch.equal(torch.nan_to_num(op[1]), torch.nan_to_num(cols))
+    empty_r, empty_c = row_col_absmax(x[:0])
+    assert empty_r.shape == (0,) and torch.equal(empty_c, torch.zeros(shape[1], device=x.device))
+    with pytest.raises(ValueError, match="2-D floating-point"):
+        row_col_absmax(x[0])
