@@ -54,6 +54,9 @@ BACKEND_CHOICES = backend_choices()
 DEFAULT_OE_K = 64
 DEFAULT_CALIBRATION_STEPS = 30
 CALIBRATION_GEMMS = ("bf16", "iht")
+# The backends that take the activation's mean out of fprop's operand (AdaHOPConfig.fprop_mean_bias):
+# "auto" is checked again where it resolves (layer.plan.layer_plan).
+FPROP_MEAN_BIAS_BACKENDS = ("auto", "reference")
 # Which weight dgrad multiplies by (docs/method.md, 'One weight for the forward and dgrad'):
 # "master", the layer's weight quantized on its own (the paper), or "forward", the weight the
 # forward GEMM multiplied by.
@@ -149,6 +152,10 @@ class AdaHOPConfig:
     # (adahop.quantized_all_gather; docs/distributed.md). The converted weights are set up for it;
     # the model is sharded with FSDP2's own fully_shard. Needs dgrad_weight "forward".
     quantized_all_gather: bool = False
+    # Take the activation's mean over tokens out of the forward GEMM's MXFP4 operand and add it
+    # back as a rank-one GEMV in x's dtype (``adahop.mean_bias``, which gives the numerics; the
+    # backward is unchanged). The reference backend only: the others quantize x as it comes.
+    fprop_mean_bias: bool = False
 
     def __post_init__(self):
         for gemm in GEMMS:
@@ -170,7 +177,7 @@ class AdaHOPConfig:
                                  "GEMM in BF16")
         check_tau(self.tau)
         check_seed(self.seed)
-        for flag in ("adaptive", "share_input", "quantized_all_gather"):
+        for flag in ("adaptive", "share_input", "quantized_all_gather", "fprop_mean_bias"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         steps = self.calibration_steps
@@ -185,12 +192,25 @@ class AdaHOPConfig:
             if not self.adaptive and set(self.fixed_modes().values()) == {"bf16"}:
                 raise ValueError(f"quantized_all_gather: recipe {self.recipe!r} runs no MXFP4 GEMM, there is nothing "
                                  "to gather quantized")
+        if self.fprop_mean_bias:
+            self._check_fprop_mean_bias()
         if self.policy == "loss_aware" and self.policy_fn is not None:
             raise ValueError("policy 'loss_aware' decides over all the layers at once (model_policy); a per-layer "
                              "policy_fn cannot replace it: give policy_fn with policy 'lv2', 'lv1' or 'measured'")
         if self.policy == "measured" and (self.policy_fn is None or isinstance(self.policy_fn, _ConfigMeasuredPolicy)):
             # k is part of the choice (from k/4 to 2k of each GEMM's oe_k: quant_error.oe_k_ladder)
             object.__setattr__(self, "policy_fn", _ConfigMeasuredPolicy(self.hp_budget, None))
+
+    def _check_fprop_mean_bias(self) -> None:
+        if self.backend not in FPROP_MEAN_BIAS_BACKENDS:
+            raise ValueError(f"fprop_mean_bias runs on backend {FPROP_MEAN_BIAS_BACKENDS} (auto where it resolves to "
+                             f"reference), got backend {self.backend!r}")
+        if self.quantized_all_gather:
+            raise ValueError("fprop_mean_bias needs the weight in high precision for its GEMV: it cannot be combined "
+                             "with quantized_all_gather")
+        if not self.adaptive and self.fprop.mode == "bf16":
+            raise ValueError(f"fprop_mean_bias is for recipes with an MXFP4 forward; recipe {self.recipe!r} runs fprop "
+                             "in BF16")
 
     @property
     def model_policy(self) -> LossAwarePolicy | None:

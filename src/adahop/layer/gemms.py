@@ -23,6 +23,7 @@ import torch
 from adahop.formats.mxfp4 import MXFP4Tensor, dequantize_mxfp4, fake_quantize_mxfp4_tiles
 from adahop.gemm_geometry import DGRAD, FPROP, GEMMS, WGRAD, oe_outer_size
 from adahop.layer.plan import GemmPlan, LayerPlan
+from adahop.mean_bias import add_mean_term, split_mean
 from adahop.ops.operand import quantize_operand
 from adahop.transforms.hadamard import inverse_block_hadamard, random_signs
 
@@ -137,7 +138,12 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_q
     precision (chosen here from x's column norms), else None. ``x_quantized``: what
     ``quantize_input`` gave for x and this plan, made once for the layers that read x
     (``linear_group_forward``); ``x_bound``: a bound on the magnitudes of x's rows, where the
-    backend takes one (``layer.bounds``)."""
+    backend takes one (``layer.bounds``).
+
+    With ``plan.fprop_mean_bias`` (a quantized fprop), fprop's A is x with its mean over the T
+    rows taken out and the mean's product with the weight is added back (``adahop.mean_bias``);
+    wgrad's x is x itself, and nothing of x is quantized ahead for fprop (``x_quantized``'s
+    first part must be None: ``grouped.input_key`` shares nothing for such a layer)."""
     # The parameter itself is saved and cast again in the backward: saving the cast copy
     # (bf16 under autocast) would hold 2 bytes per weight for the whole step. A plain fprop
     # mode casts it in its quantize kernel (PLAIN_MODES); the others use a cast copy.
@@ -153,10 +159,12 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_q
     backend = plan.backend
     _warn_oe_clamp(plan, x_TK.shape[0], weight.shape[0], weight.shape[1])
 
+    mean_bias = plan.fprop_mean_bias and fp.quantized
     x_fprop = x_saved = x_col_norms = None
     if x_quantized is not None:
         x_fprop, x_saved, x_col_norms = x_quantized
-    elif fp.quantized and wg.quantized and plan.needs_backward and backend.has_quantize_and_pack:
+        assert not (mean_bias and x_fprop is not None), "x quantized ahead reaches a mean-split fprop"
+    elif fp.quantized and wg.quantized and plan.needs_backward and backend.has_quantize_and_pack and not mean_bias:
         # x is A of fprop (along K) and B of wgrad (along T, packed, saved): one call
         # quantizes both orientations (one kernel from the same reads where that is faster),
         # and gives the column norms that wgrad's OE-right ranks.
@@ -166,19 +174,24 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_q
 
     # GEMM 1: fprop y_TN = x_TK @ w_NK^T, [T,K]@[K,N]->[T,N]; A = x (rows: tokens),
     # B = w^T (columns: output features). Both quantized along K.
+    # With the mean split (adahop.mean_bias) A is r = x - mu everywhere in the GEMM, OE's
+    # high-precision slices included (they are written over C, and the mean's term comes after).
     if not fp.quantized:
         y_TN = x_TK @ w_NK.t()
     else:
+        mu_1K, a_TK = split_mean(x_TK) if mean_bias else (None, x_TK)
         y_TN = mxfp4_gemm(
-            fp, backend, x_TK, FPROP.a.dim, w_NK, FPROP.b.dim,
-            a_hp=lambda idx: x_TK if idx is None else x_TK[idx],
+            fp, backend, a_TK, FPROP.a.dim, w_NK, FPROP.b.dim,
+            a_hp=lambda idx: a_TK if idx is None else a_TK[idx],
             b_hp=lambda: w_NK.t(),
             a_q=x_fprop,
-            a_bound=x_bound,
+            a_bound=None if mean_bias else x_bound,  # (x's bound, not r's: the reference takes none)
             b_cast_to=x_TK.dtype if cast_in_kernel else None,
             out_dtype=x_TK.dtype,
         )
-        x_fprop = None  # freed
+        if mean_bias:
+            y_TN = add_mean_term(y_TN, mu_1K, w_NK)
+        x_fprop = a_TK = None  # freed
 
     # What wgrad (dw_NK = g^T x) needs of x: x quantized along T, or (wgrad in bf16) x itself,
     # which the autograd context saves from the op's input; nothing when no backward will run

@@ -3,8 +3,9 @@ and which backend runs them.
 
 ``numerics_key`` writes a layer's settings as one string, the ``numerics`` argument of the custom
 ops (``layer.ops``): for each GEMM its mode and how each operand is quantized (block, scale mode,
-rounding, Hadamard size, random-sign seed, OE k), which weight dgrad multiplies by, and the backend
-name. Layers with the same settings share it (and the compiled code). ``layer_plan`` turns a key and
+rounding, Hadamard size, random-sign seed, OE k), which weight dgrad multiplies by, the backend
+name, and (only where it is on) ``fprop_mean_bias``. Layers with the same settings share it (and
+the compiled code). ``layer_plan`` turns a key and
 the layer's ``rng_state`` (int64 ``[prefix, call]``, its stochastic-rounding chain on the device:
 ``formats.rng.SRStream``) into the plan of one call, each SR operand's seed an ``SRStream``, derived
 inside the kernels, so that no seed is read back to the host and each replay of a CUDA graph draws
@@ -67,6 +68,7 @@ class LayerPlan:
     backend: object
     needs_backward: bool = True  # False under no_grad / inference: nothing is saved for wgrad
     dgrad_weight: str = "master"  # AdaHOPConfig.dgrad_weight
+    fprop_mean_bias: bool = False  # AdaHOPConfig.fprop_mean_bias (adahop.mean_bias)
 
 
 # ---- the numerics key: the ops' one description of a layer's GEMMs ----------------------------
@@ -82,8 +84,10 @@ def numerics_key(config: AdaHOPConfig, modes: dict, signs_seeds: tuple, oe_ks: d
         if oe_ks and gemm in oe_ks:
             cfg["oe_k"] = oe_ks[gemm]
         gemms.append(cfg)
-    return json.dumps({"backend": config.backend, "gemms": gemms, "dgrad_weight": config.dgrad_weight},
-                      sort_keys=True, separators=(",", ":"))
+    key = {"backend": config.backend, "gemms": gemms, "dgrad_weight": config.dgrad_weight}
+    if config.fprop_mean_bias:  # (only where on: every other layer's key stays as it was)
+        key["fprop_mean_bias"] = True
+    return json.dumps(key, sort_keys=True, separators=(",", ":"))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -97,6 +101,13 @@ def numerics_templates(numerics: str) -> tuple[str, tuple[GemmPlan, ...], str]:
         cfg = GemmConfig(**{f.name: g[f.name] for f in dataclasses.fields(GemmConfig)})  # (mode: the layer's)
         plans.append(make_gemm_plan(cfg.mode, cfg, sr_seeds=(0, 0), signs_seed=g["signs_seed"]))
     return d["backend"], tuple(plans), d["dgrad_weight"]
+
+
+@functools.lru_cache(maxsize=1024)
+def numerics_fprop_mean_bias(numerics: str) -> bool:
+    """Whether a numerics key takes the activation's mean out of fprop's operand
+    (``AdaHOPConfig.fprop_mean_bias``)."""
+    return bool(json.loads(numerics).get("fprop_mean_bias", False))
 
 
 def layer_plan(numerics: str, rng_state: torch.Tensor, device: torch.device, needs_backward: bool) -> LayerPlan:
@@ -113,5 +124,10 @@ def layer_plan(numerics: str, rng_state: torch.Tensor, device: torch.device, nee
                 b = dataclasses.replace(b, sr_seed=SRStream(rng_state, gi, 1))
             plan = GemmPlan(plan.mode, a, b, plan.oe_k)
         plans.append(plan)
-    return LayerPlan(*plans, backend=get_backend(backend_name, device), needs_backward=needs_backward,
-                     dgrad_weight=dgrad_weight)
+    backend = get_backend(backend_name, device)
+    mean_bias = numerics_fprop_mean_bias(numerics)
+    if mean_bias and backend.name != "reference":
+        raise ValueError(f"fprop_mean_bias runs on the reference backend only; backend {backend_name!r} is "
+                         f"{backend.name!r} on {device}: give backend 'reference'")
+    return LayerPlan(*plans, backend=backend, needs_backward=needs_backward, dgrad_weight=dgrad_weight,
+                     fprop_mean_bias=mean_bias)
