@@ -13,7 +13,9 @@ held-out loss over the first ``--eval-batches`` batches of each source's validat
 the linears it names (the rest stay BF16), to find which layers' forward the loss pays for;
 ``--set-fprop PATTERN=MODE`` runs the forward GEMM of the linears it names in another mode after
 the calibration, to find what a policy's choice there costs; ``--hadamard-size``,
-``--random-signs`` and ``--scale-mode`` change that setting in every GEMM of every recipe.
+``--random-signs`` and ``--scale-mode`` change that setting in every GEMM of every recipe;
+``--fprop-mean-bias`` takes the activation's mean out of every forward GEMM's MXFP4 operand and adds
+it back as a rank-one GEMV (``AdaHOPConfig.fprop_mean_bias``: the reference backend only).
 
     python benchmarks/pretrained_forward.py --init smollm2 --corpus runs/corpus_smollm2 \\
         --recipes bf16 mxfp4 mxfp4_iht adahop_lv2 adahop_measured --out runs/pretrained_forward.jsonl
@@ -130,6 +132,8 @@ def measure(args, recipe: str, pretrained, corpus, device: torch.device) -> dict
         budgeted = args.hp_budget is not None and cfg.adaptive and cfg.policy in QUANT_POLICIES
         if budgeted:
             cfg = cfg.replace(hp_budget=args.hp_budget)
+        if args.fprop_mean_bias:
+            cfg = cfg.replace(fprop_mean_bias=True)
         adahop.convert_to_adahop_training(model, config=cfg, module_filter_fn=layer_filter(model, args.layers))
         if not adahop.adahop_layers(model):
             names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][:3]
@@ -150,6 +154,8 @@ def measure(args, recipe: str, pretrained, corpus, device: torch.device) -> dict
         label += " (" + ", ".join(f"{k} {v}" for k, v in gemm_settings(args).items()) + ")"
     if budgeted:
         label += f" (hp_budget {args.hp_budget:g})"
+    if args.fprop_mean_bias and recipe != "bf16":
+        label += " (fprop mean bias)"
     return {"recipe": recipe, "label": label, "heldout_loss": result["loss"], "tokens": result["tokens"],
             "fprop_mxfp4_share": share, "converted_fprop_hp_share": hp,
             "sources": {s: v["loss"] for s, v in result["sources"].items()},
@@ -189,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="random signs before every GEMM's Hadamard (default: each recipe's, none but tseng's)")
     p.add_argument("--scale-mode", default=None, choices=SCALE_MODES,
                    help="the MXFP4 scale mode of every GEMM (default: each recipe's, even but tseng's)")
+    p.add_argument("--fprop-mean-bias", action="store_true",
+                   help="take the activation's mean over tokens out of every forward GEMM's MXFP4 operand, added "
+                        "back as a rank-one GEMV (AdaHOPConfig.fprop_mean_bias; needs --backend reference)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=4, help="windows per batch (default: %(default)s)")
     p.add_argument("--eval-batches", type=int, default=2, help="batches of each source's validation shard")
