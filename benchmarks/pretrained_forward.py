@@ -15,7 +15,7 @@ the linears it names (the rest stay BF16), to find which layers' forward the los
 the calibration, to find what a policy's choice there costs; ``--hadamard-size``,
 ``--random-signs`` and ``--scale-mode`` change that setting in every GEMM of every recipe;
 ``--fprop-mean-bias`` takes the activation's mean out of every forward GEMM's MXFP4 operand and adds
-it back as a rank-one GEMV (``AdaHOPConfig.fprop_mean_bias``: the reference backend only).
+it back as a rank-one GEMV (``AdaHOPConfig.fprop_mean_bias``).
 
     python benchmarks/pretrained_forward.py --init smollm2 --corpus runs/corpus_smollm2 \\
         --recipes bf16 mxfp4 mxfp4_iht adahop_lv2 adahop_measured --out runs/pretrained_forward.jsonl
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the MXFP4 scale mode of every GEMM (default: each recipe's, even but tseng's)")
     p.add_argument("--fprop-mean-bias", action="store_true",
                    help="take the activation's mean over tokens out of every forward GEMM's MXFP4 operand, added "
-                        "back as a rank-one GEMV (AdaHOPConfig.fprop_mean_bias; needs --backend reference)")
+                        "back as a rank-one GEMV (AdaHOPConfig.fprop_mean_bias)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=4, help="windows per batch (default: %(default)s)")
     p.add_argument("--eval-batches", type=int, default=2, help="batches of each source's validation shard")

@@ -121,8 +121,6 @@ def test_numerics_key_carries_the_option_only_when_on():
 
 
 def test_refusals():
-    with pytest.raises(ValueError, match="fprop_mean_bias runs on backend"):
-        AdaHOPConfig.from_recipe_name("mxfp4_iht", fprop_mean_bias=True, backend="triton")
     with pytest.raises(ValueError, match="quantized_all_gather"):
         AdaHOPConfig.from_recipe_name("mxfp4", fprop_mean_bias=True, dgrad_weight="forward", quantized_all_gather=True)
     with pytest.raises(ValueError, match="runs fprop in BF16"):
@@ -131,18 +129,42 @@ def test_refusals():
         AdaHOPConfig.from_recipe_name("mxfp4", fprop_mean_bias=1)
 
 
-def test_auto_resolving_to_another_backend_is_refused(monkeypatch):
-    """'auto' is checked where it resolves: a backend other than the reference is a one-line error."""
+class _EmulatedHopper:
+    """hopper_fp8's operands and kernels (Triton, interpreted) with the FP8 GEMM as a float32
+    matmul of the e4m3 values times their row scales, so that it runs on the CPU."""
+
+    def __new__(cls):
+        from adahop.ops.backends.hopper_fp8 import HopperFP8Backend
+
+        class Emulated(HopperFP8Backend):
+            def mm_nt(self, a, b, out_dtype):
+                a, b = self.as_e4m3(a), self.as_e4m3(b)
+                return ((a.e4m3.float() * a.row_scale[:, None])
+                        @ (b.e4m3.float() * b.row_scale[:, None]).t()).to(out_dtype)
+
+        return Emulated()
+
+
+@pytest.mark.parametrize("backend", ["triton", "hopper_fp8"])
+def test_every_backend_runs_the_option(monkeypatch, backend):
+    """The split is made above the backend, which quantizes r as any operand: on the Triton
+    backends the output is the backend's own GEMM of r plus the mean's term, and the gradients
+    are those without the option."""
+    pytest.importorskip("triton")
     import adahop.layer.plan as plan
+    from adahop.ops.backends.triton import TritonBackend
 
-    class Other:
-        name = "hopper_fp8"
-
-    monkeypatch.setattr(plan, "get_backend", lambda name, device: Other())
-    key = numerics_key(AdaHOPConfig.from_recipe_name("mxfp4_iht", fprop_mean_bias=True),
-                       {"fprop": "iht", "dgrad": "iht", "wgrad": "iht"}, (None,) * 3)
-    with pytest.raises(ValueError, match="reference backend only"):
-        layer_plan(key, torch.zeros(2, dtype=torch.int64), torch.device("cpu"), True)
+    impl = TritonBackend() if backend == "triton" else _EmulatedHopper()
+    monkeypatch.setattr(plan, "get_backend", lambda name, device: impl)
+    x, w, g = data(T=32, K=64, N=32, seed=4)
+    with torch.no_grad():
+        y_on = layer("mxfp4_iht", w, fprop_mean_bias=True)(x)
+        mu, r = split_mean(x)
+        y_r = layer("mxfp4_iht", w)(r)  # the backend's GEMM of r, rounded as the option rounds it
+    torch.testing.assert_close(y_on, add_mean_term(y_r, mu, w), rtol=0, atol=0)
+    _, dx0, dw0 = fwd_bwd(layer("mxfp4_iht", w), x, g)
+    _, dx1, dw1 = fwd_bwd(layer("mxfp4_iht", w, fprop_mean_bias=True), x, g)
+    assert torch.equal(dx0, dx1) and torch.equal(dw0, dw1)
 
 
 def test_layers_sharing_an_input_do_not_share_a_mean_split_one():

@@ -54,9 +54,6 @@ BACKEND_CHOICES = backend_choices()
 DEFAULT_OE_K = 64
 DEFAULT_CALIBRATION_STEPS = 30
 CALIBRATION_GEMMS = ("bf16", "iht")
-# The backends that take the activation's mean out of fprop's operand (AdaHOPConfig.fprop_mean_bias):
-# "auto" is checked again where it resolves (layer.plan.layer_plan).
-FPROP_MEAN_BIAS_BACKENDS = ("auto", "reference")
 # Which weight dgrad multiplies by (docs/method.md, 'One weight for the forward and dgrad'):
 # "master", the layer's weight quantized on its own (the paper), or "forward", the weight the
 # forward GEMM multiplied by.
@@ -154,7 +151,7 @@ class AdaHOPConfig:
     quantized_all_gather: bool = False
     # Take the activation's mean over tokens out of the forward GEMM's MXFP4 operand and add it
     # back as a rank-one GEMV in x's dtype (``adahop.mean_bias``, which gives the numerics; the
-    # backward is unchanged). The reference backend only: the others quantize x as it comes.
+    # backward is unchanged). Done above the backends (``layer.gemms``): every backend runs it.
     fprop_mean_bias: bool = False
 
     def __post_init__(self):
@@ -202,9 +199,6 @@ class AdaHOPConfig:
             object.__setattr__(self, "policy_fn", _ConfigMeasuredPolicy(self.hp_budget, None))
 
     def _check_fprop_mean_bias(self) -> None:
-        if self.backend not in FPROP_MEAN_BIAS_BACKENDS:
-            raise ValueError(f"fprop_mean_bias runs on backend {FPROP_MEAN_BIAS_BACKENDS} (auto where it resolves to "
-                             f"reference), got backend {self.backend!r}")
         if self.quantized_all_gather:
             raise ValueError("fprop_mean_bias needs the weight in high precision for its GEMV: it cannot be combined "
                              "with quantized_all_gather")

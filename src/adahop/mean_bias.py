@@ -12,12 +12,13 @@ token. Split x_TK = 1 mu_K + r_TK (mu the mean over the call's T rows); fprop is
 where the first term is the layer's fprop GEMM in its mode (its Hadamard, rounding, OE) with r in
 place of x, and mu W^T is one GEMV in x's dtype (BF16 under autocast) added to every row.
 
-Numerics (the reference's; what the option means): mu is the float32 mean of x's rows, rounded
-to x's dtype; r = x - mu in x's dtype; the GEMV multiplies mu by the weight fprop's B is made
-from, cast to x's dtype; its result, in x's dtype, is added to the GEMM's output in the output's
-dtype. The mean is the call's: every row of one call shares it (a call's tokens are the batch's
-sequences flattened), so a token's rounding depends on the other tokens of its call, as a
-per-tensor scale's would.
+Numerics (what the option means): mu is the float32 mean of x's rows, rounded to x's dtype;
+r = x - mu in x's dtype; the GEMV multiplies mu by the weight fprop's B is made from, cast to x's
+dtype; its result, in x's dtype, is added to the GEMM's output in the output's dtype. The split
+and the GEMV are PyTorch ops in ``layer.gemms``, above the backends, whose GEMM quantizes r as it
+would x: every backend runs the option. The mean is the call's: every row of one call shares it
+(a call's tokens are the batch's sequences flattened), so a token's rounding depends on the
+other tokens of its call, as a per-tensor scale's would.
 
 The backward is unchanged: dgrad (dx = g W) and wgrad (dW = g^T x, x quantized along T, its
 mean kept) are the layer's GEMMs as without the option. They are the exact derivatives of

@@ -176,6 +176,8 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_q
     # B = w^T (columns: output features). Both quantized along K.
     # With the mean split (adahop.mean_bias) A is r = x - mu everywhere in the GEMM, OE's
     # high-precision slices included (they are written over C, and the mean's term comes after).
+    # r is made here, above the backend, which quantizes it as any operand: every backend runs
+    # the option with its usual bits.
     if not fp.quantized:
         y_TN = x_TK @ w_NK.t()
     else:
@@ -185,7 +187,8 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_q
             a_hp=lambda idx: a_TK if idx is None else a_TK[idx],
             b_hp=lambda: w_NK.t(),
             a_q=x_fprop,
-            a_bound=None if mean_bias else x_bound,  # (x's bound, not r's: the reference takes none)
+            # x's bound is not r's: a backend that takes bounds finds r's rows' own (one more pass)
+            a_bound=None if mean_bias else x_bound,
             b_cast_to=x_TK.dtype if cast_in_kernel else None,
             out_dtype=x_TK.dtype,
         )

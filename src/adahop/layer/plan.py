@@ -124,10 +124,5 @@ def layer_plan(numerics: str, rng_state: torch.Tensor, device: torch.device, nee
                 b = dataclasses.replace(b, sr_seed=SRStream(rng_state, gi, 1))
             plan = GemmPlan(plan.mode, a, b, plan.oe_k)
         plans.append(plan)
-    backend = get_backend(backend_name, device)
-    mean_bias = numerics_fprop_mean_bias(numerics)
-    if mean_bias and backend.name != "reference":
-        raise ValueError(f"fprop_mean_bias runs on the reference backend only; backend {backend_name!r} is "
-                         f"{backend.name!r} on {device}: give backend 'reference'")
-    return LayerPlan(*plans, backend=backend, needs_backward=needs_backward, dgrad_weight=dgrad_weight,
-                     fprop_mean_bias=mean_bias)
+    return LayerPlan(*plans, backend=get_backend(backend_name, device), needs_backward=needs_backward,
+                     dgrad_weight=dgrad_weight, fprop_mean_bias=numerics_fprop_mean_bias(numerics))
