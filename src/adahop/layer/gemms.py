@@ -26,6 +26,7 @@ from adahop.layer.plan import GemmPlan, LayerPlan
 from adahop.mean_bias import add_mean_term, split_mean
 from adahop.ops.operand import quantize_operand
 from adahop.transforms.hadamard import inverse_block_hadamard, random_signs
+from adahop.unbias import row_unbiasing, unbias_product
 
 # GEMM modes whose B operand is only quantized (no high-precision slice of it, no selection by
 # its norms): there the layer's weight (float32 under autocast) goes to the quantize kernel as it
@@ -35,7 +36,7 @@ PLAIN_MODES = ("mxfp4", "iht")
 
 
 def mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=None, b_cols_hp=None, b_cols_idx=None,
-               a_q=None, a_norms=None, a_bound=None, b_cast_to=None, out_dtype):
+               a_q=None, a_norms=None, a_bound=None, b_cast_to=None, out_dtype, unbias=False):
     """One GEMM of a layer as its plan (``make_gemm_plan``) says, on ``backend``: C = A @ B with
     both operands quantized to MXFP4 along the contraction (after the plan's Hadamard transform,
     with its rounding and scale mode), the product in ``out_dtype``, and for the OE modes the
@@ -50,7 +51,9 @@ def mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=N
     quantized (the backward's gradient: both orientations come from one kernel); ``a_norms``: the
     L2 norms of A's rows, if that kernel summed them (for OE-left); ``a_bound``: a bound on the
     magnitudes of A's rows for a backend that takes one (``layer.bounds``); ``b_cast_to``: B is
-    ``b.to(b_cast_to)`` (a plain mode's weight, cast by the quantize kernel)."""
+    ``b.to(b_cast_to)`` (a plain mode's weight, cast by the quantize kernel); ``unbias``: the
+    MXFP4 product scaled by the operands' row factors (``adahop.unbias``) before the OE slices
+    are written, B given as a tensor."""
     rows_idx = cols_idx = None
     if plan.mode == "iht+oe_left":
         rows_idx = backend.select_outer(a, 1 - a_dim, plan.oe_k, norms=a_norms)
@@ -63,6 +66,9 @@ def mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=N
     b_q = b if isinstance(b, MXFP4Tensor) else backend.quantize(b, b_dim, plan.b, zero_outer=cols_idx,
                                                                 cast_to=b_cast_to)
     c = backend.mm_nt(a_q, b_q, out_dtype)
+    if unbias:  # (OE's zeroed slices: their factors scale zeros, and the slices are written below)
+        b_t = b if b_cast_to is None else b.to(b_cast_to)
+        c = unbias_product(c, row_unbiasing(a, a_dim, plan.a), row_unbiasing(b_t, b_dim, plan.b))
     # The high-precision slices are GEMMs in the operands' dtype (bf16 under autocast), written
     # into C in C's dtype (wgrad's C is the parameter's, float32: see the backward).
     if rows_idx is not None:
@@ -191,6 +197,7 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_q
             a_bound=None if mean_bias else x_bound,
             b_cast_to=x_TK.dtype if cast_in_kernel else None,
             out_dtype=x_TK.dtype,
+            unbias=plan.fprop_unbias,
         )
         if mean_bias:
             y_TN = add_mean_term(y_TN, mu_1K, w_NK)
