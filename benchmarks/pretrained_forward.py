@@ -15,7 +15,9 @@ the linears it names (the rest stay BF16), to find which layers' forward the los
 the calibration, to find what a policy's choice there costs; ``--hadamard-size``,
 ``--random-signs`` and ``--scale-mode`` change that setting in every GEMM of every recipe;
 ``--fprop-mean-bias`` takes the activation's mean out of every forward GEMM's MXFP4 operand and adds
-it back as a rank-one GEMV (``AdaHOPConfig.fprop_mean_bias``).
+it back as a rank-one GEMV (``AdaHOPConfig.fprop_mean_bias``); ``--fprop-unbias`` scales every
+forward GEMM's MXFP4 product by the per-row factors that undo round to nearest's shrink toward
+zero (``AdaHOPConfig.fprop_unbias``).
 
     python benchmarks/pretrained_forward.py --init smollm2 --corpus runs/corpus_smollm2 \\
         --recipes bf16 mxfp4 mxfp4_iht adahop_lv2 adahop_measured --out runs/pretrained_forward.jsonl
@@ -134,6 +136,8 @@ def measure(args, recipe: str, pretrained, corpus, device: torch.device) -> dict
             cfg = cfg.replace(hp_budget=args.hp_budget)
         if args.fprop_mean_bias:
             cfg = cfg.replace(fprop_mean_bias=True)
+        if args.fprop_unbias:
+            cfg = cfg.replace(fprop_unbias=True)
         adahop.convert_to_adahop_training(model, config=cfg, module_filter_fn=layer_filter(model, args.layers))
         if not adahop.adahop_layers(model):
             names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][:3]
@@ -156,6 +160,8 @@ def measure(args, recipe: str, pretrained, corpus, device: torch.device) -> dict
         label += f" (hp_budget {args.hp_budget:g})"
     if args.fprop_mean_bias and recipe != "bf16":
         label += " (fprop mean bias)"
+    if args.fprop_unbias and recipe != "bf16":
+        label += " (fprop unbias)"
     return {"recipe": recipe, "label": label, "heldout_loss": result["loss"], "tokens": result["tokens"],
             "fprop_mxfp4_share": share, "converted_fprop_hp_share": hp,
             "sources": {s: v["loss"] for s, v in result["sources"].items()},
@@ -198,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fprop-mean-bias", action="store_true",
                    help="take the activation's mean over tokens out of every forward GEMM's MXFP4 operand, added "
                         "back as a rank-one GEMV (AdaHOPConfig.fprop_mean_bias)")
+    p.add_argument("--fprop-unbias", action="store_true",
+                   help="scale every forward GEMM's MXFP4 product by the per-row factors of x and W that undo round "
+                        "to nearest's shrink toward zero (AdaHOPConfig.fprop_unbias)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=4, help="windows per batch (default: %(default)s)")
     p.add_argument("--eval-batches", type=int, default=2, help="batches of each source's validation shard")
