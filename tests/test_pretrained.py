@@ -603,6 +603,12 @@ def test_pretrained_forward_benchmark(corpus, tmp_path, capsys):
     scaled = json.loads(out.read_text().splitlines()[-1])
     assert scaled["label"] == "mxfp4 (fprop unbias)" and scaled["settings"]["fprop_unbias"]
     assert scaled["heldout_loss"] != rows["mxfp4"]["heldout_loss"]
+    assert bench.main(["--init", str(folder), "--corpus", str(corpus), "--recipes", "mxfp4", "--output-jitter", "0.5",
+                       "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1", "--backend", "reference",
+                       "--device", "cpu", "--out", str(out)]) == 0
+    jittered = json.loads(out.read_text().splitlines()[-1])
+    assert jittered["label"] == "mxfp4 (outputs x (1 +0.5))" and jittered["settings"]["output_jitter"] == 0.5
+    assert jittered["heldout_loss"] != rows["mxfp4"]["heldout_loss"]
     assert lv2["settings"]["set_fprop"] == [["*.wv", "mxfp4"], ["*.wo", "iht+oe_right"]]
     for row in (lv2, mx):
         for name, m in row["modes"].items():
