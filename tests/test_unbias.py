@@ -101,6 +101,19 @@ def test_oe_slices_stay_exact_and_the_options_compose():
     assert torch.isclose(y, x @ w.t(), rtol=1e-4, atol=1e-4).all(1).sum() == 8  # the OE rows, not scaled
 
 
+def test_with_the_mean_split_off_the_factors_are_r_s():
+    """Both options: y = c_r c_W Q(r) Q(W)^T + mu W^T (the factors of the centred activation)."""
+    x, w, _ = data(T=64, K=64, N=48, seed=5)
+    x = x + 3 * torch.randn(1, 64, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        y = layer("mxfp4_iht", w, fprop_unbias=True, fprop_mean_bias=True)(x)
+    mu = x.mean(0, keepdim=True)
+    rv, wv = block_hadamard(x - mu, dim=-1), block_hadamard(w, dim=-1)
+    plain = fake_quantize_mxfp4(rv, dim=-1).double() @ fake_quantize_mxfp4(wv, dim=-1).double().t()
+    want = plain * factors(rv)[:, None] * factors(wv)[None, :] + mu.double() @ w.double().t()
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_numerics_key_and_refusals():
     modes = {"fprop": "iht", "dgrad": "iht", "wgrad": "iht"}
     off = AdaHOPConfig.from_recipe_name("mxfp4_iht")
