@@ -15,7 +15,8 @@ Sections (each checks that the variants it times give the same bits before timin
   bounds: the e4m3 forms with their row exponents from row bounds (``formats.e4m3_rows``: one
           pass) against the exact row maxima (two passes), at the Llama 1B and 8B operand shapes,
           as shares of the copy bandwidth: x along K, x both ways (e4m3 + packed), g both ways
-          (SR); the bounds' own cost (torch amax, eager), and RMSNorm compiled alone against
+          (SR); the bounds' own cost (x: the infinity norm, eager; g: rows and columns from one
+          read, ``kernels.magnitude``, and as two reductions), and RMSNorm compiled alone against
           RMSNorm with its output's row maxima (what Inductor's fusion of the bound costs).
   oe:     outlier extraction's parts per --shapes layer: the norms; the selection (torch.topk +
           sort, the reference's stable sort, ``kernels.topk``); the high-precision slice GEMMs in
@@ -248,6 +249,7 @@ BOUNDS_G = ((32768, 512), (32768, 2048), (32768, 8192), (16384, 1024), (16384, 4
 
 def section_bounds() -> list[dict]:
     from adahop.formats.e4m3_rows import bound_row_exponent, fold_e4m3
+    from adahop.kernels.magnitude import row_col_absmax
     from adahop.kernels.quantize_both import quantize_both
     from adahop.layer.bounds import magnitude_bound
     from adahop.ops.backends.hopper_fp8 import HopperFP8Backend
@@ -300,9 +302,12 @@ def section_bounds() -> list[dict]:
         nbytes = T_ * N * 4  # bf16 read, two e4m3 written
         t_now = bench(lambda: quantize_both(g, sr_a, sr_b), rep=50)  # noqa: B023
         t_given = bench(lambda: quantize_both(g, sr_a, sr_b, bounds=(rb, cb)), rep=50)  # noqa: B023
-        t_amax = bench(lambda: (magnitude_bound(g, 1), magnitude_bound(g, 0)), rep=50)  # noqa: B023
+        t_two = bench(lambda: (magnitude_bound(g, 1), magnitude_bound(g, 0)), rep=50)  # noqa: B023
+        t_amax = bench(lambda: row_col_absmax(g), rep=50)  # noqa: B023
+        rc = row_col_absmax(g)
+        exact = exact and torch.equal(rc[0], rb) and torch.equal(rc[1], cb)
         row = dict(operand="g", shape=(T_, N), bit_exact_a=exact, now_ms=t_now, given_ms=t_given, amax_ms=t_amax,
-                   now_share=share(nbytes, t_now), given_share=share(nbytes, t_given),
+                   two_reductions_ms=t_two, now_share=share(nbytes, t_now), given_share=share(nbytes, t_given),
                    given_plus_eager_amax_share=share(nbytes, t_given + t_amax), copy_GBps=copy_gbs)
         rows.append(row)
         print("  bounds", row, flush=True)
@@ -320,9 +325,11 @@ def section_bounds() -> list[dict]:
         alone = torch.compile(norm)
         with_bound = torch.compile(lambda t: (lambda y: (y, y.abs().amax(1).float()))(norm(t)))  # noqa: B023
         y0, (y1, m1) = alone(h), with_bound(h)
-        ok = torch.equal(y0, y1) and torch.equal(m1, magnitude_bound(y0, 1))
+        # Inductor may take the maximum before the bfloat16 rounding (the bound's slack covers it)
+        m0 = magnitude_bound(y0, 1)
+        ok = torch.equal(y0, y1) and bool(((m1 - m0).abs() <= m0 * 2.0**-8).all())
         t_alone, t_with = bench(lambda: alone(h), rep=50), bench(lambda: with_bound(h), rep=50)  # noqa: B023
-        row = dict(operand="rmsnorm", shape=(T_, K), bound_equals_eager=ok, rmsnorm_ms=t_alone,
+        row = dict(operand="rmsnorm", shape=(T_, K), bound_within_rounding_of_eager=ok, rmsnorm_ms=t_alone,
                    rmsnorm_with_bound_ms=t_with, bound_cost_ms=t_with - t_alone,
                    rmsnorm_share=share(T_ * K * 4, t_alone), copy_GBps=copy_gbs)
         rows.append(row)

@@ -233,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hp-budget", type=float, default=None,
                    help="the high-precision budget of the measured and loss-aware policies, a share of the GEMM "
                         "FLOPs (default: each recipe's)")
+    p.add_argument("--unit-exposure", action="store_true",
+                   help="the loss-aware policy's ablation: every layer's loss exposure 1 (the same whole-model "
+                        "knapsack over the predicted NSRs, without the loss weighting)")
     p.add_argument("--seed", type=int, default=0, help="calibration windows and SR draws")
     p.add_argument("--backend", default="auto", help="GEMM backend (default: %(default)s)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
@@ -247,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.hp_budget is not None and not 0 <= args.hp_budget <= 1:
         p.error("--hp-budget must be in [0, 1] (a share of the GEMM FLOPs)")
+    if args.unit_exposure:
+        import adahop.loss_aware_policy
+
+        adahop.loss_aware_policy.loss_exposure = lambda summary: 1.0  # this process only: an ablation
     try:
         args.set_fprop = parse_set_fprop(args.set_fprop)
     except ValueError as e:

@@ -247,8 +247,7 @@ def test_compiled_layers_take_the_bounds_and_match_eager(monkeypatch):
                             adahop.AdaHOPLinear.from_float(nn.Linear(96, 64, bias=False), config=cfg, name="b")])
     norm_w = torch.rand(64) + 0.5
 
-    def loss_of(mods, x):
-        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w  # the bound's producer
+    def loss_of(mods, h):  # (h: the eager norm's output, so that both runs see the same bits on a GPU too)
         return mods[1](nn.functional.silu(mods[0](h))).float().pow(2).mean()
 
     x = make((64, 64), seed=5, spread=0.5).float()
@@ -262,14 +261,38 @@ def test_compiled_layers_take_the_bounds_and_match_eager(monkeypatch):
         fn = loss_of
         if compiled:
             torch._dynamo.reset()
-            explained = torch._dynamo.explain(loss_of)(copy.deepcopy(layers), x)
+            explained = torch._dynamo.explain(loss_of)(copy.deepcopy(layers), x.clone().requires_grad_())
             assert explained.graph_break_count == 0, explained.break_reasons
             fn = torch.compile(loss_of, backend="aot_eager", fullgraph=True)
         given.clear()
         xx = x.clone().requires_grad_()
-        loss = fn(mods, xx)
+        loss = fn(mods, xx * torch.rsqrt(xx.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w)
         loss.backward()
         assert given and all(given)  # x (quantize_and_pack) and g (quantize_both) of both layers
         results.append((loss.detach(), xx.grad, [m.weight.grad for m in mods]))
     (le, xe, we), (lc, xc, wc) = results
     assert torch.equal(le, lc) and torch.equal(xe, xc) and all(torch.equal(a, b) for a, b in zip(we, wc))
+
+
+@pytest.mark.parametrize("shape", [(70, 300), (1, 5), (130, 64)])
+def test_row_and_column_maxima_from_one_read(shape):
+    """``kernels.magnitude``: the infinity norms of rows and columns, NaN where one holds NaN; the
+    custom op the backward calls gives the same."""
+    from adahop.kernels.magnitude import row_col_absmax
+
+    x = make(shape, seed=shape[0])
+    x[0, -1] = -1e30
+    if shape[0] > 3:
+        x[3, 2] = float("nan")
+    rows, cols = row_col_absmax(x)
+    for got, dim in ((rows, 1), (cols, 0)):
+        want = torch.linalg.vector_norm(x, float("inf"), dim).float()
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+    op = torch.ops.adahop.row_col_magnitudes(x)
+    assert torch.equal(torch.nan_to_num(op[0]), torch.nan_to_num(rows))
+    assert torch.equal(torch.nan_to_num(op[1]), torch.nan_to_num(cols))
+    empty_r, empty_c = row_col_absmax(x[:0])
+    assert empty_r.shape == (0,) and torch.equal(empty_c, torch.zeros(shape[1], device=x.device))
+    with pytest.raises(ValueError, match="2-D floating-point"):
+        row_col_absmax(x[0])

@@ -6,6 +6,7 @@ run on the CPU under ``TRITON_INTERPRET=1``; the hardware is chosen in ``ops.bac
 * ``quantize_both``: both orientations of one operand from the same reads (the backward's
   gradient, the forward's activation);
 * ``unpack``: packed MXFP4 (what the forward saves) -> e4m3 + row scale;
+* ``magnitude``: each row's and column's largest magnitude from one read (the gradient's bounds);
 * ``topk``: outlier extraction's selection of the k largest slice norms in one launch;
 * ``mx_gemm``: the GEMM of two packed MXFP4 operands through ``tl.dot_scaled`` (MX tensor cores);
 * ``mxfp4_math``: the device functions they share, mirroring the reference numerics;
