@@ -155,6 +155,15 @@ VARIANTS: dict[str, Variant] = {
                                 "the measured policy, V projections' fprop in naive MXFP4"),
     "mxfp4_iht_v_mxfp4": Variant(_recipe("mxfp4_iht", value_fprop="mxfp4"),
                                  "IHT on every GEMM but the V projections' fprop (naive MXFP4)"),
+    # the activation's mean over tokens out of the forward's MXFP4 operand, added back as a BF16
+    # GEMV (AdaHOPConfig.fprop_mean_bias, adahop.mean_bias; arXiv 2603.10444)
+    "lv2_mean_bias": Variant(_recipe("adahop_lv2", fprop_mean_bias=True), "lv2, fprop with x's mean split off"),
+    "mxfp4_iht_mean_bias": Variant(_recipe("mxfp4_iht", fprop_mean_bias=True),
+                                   "IHT on every GEMM, fprop with x's mean split off"),
+    "lv2_tail_mean_bias": Variant(_recipe("adahop_lv2_tail", fprop_mean_bias=True),
+                                  "lv2 + fprop BF16 tail, fprop with x's mean split off", schedule=_FPROP_TAIL),
+    # the forward's MXFP4 product scaled back by the rows' unbiasing factors (AdaHOPConfig.fprop_unbias)
+    "mxfp4_unbias": Variant(_recipe("mxfp4", fprop_unbias=True), "naive MXFP4, fprop's shrink toward zero undone"),
     # A BF16 phase (a precision schedule's bf16_phase_start / _gemms, adahop.schedule): the last
     # fraction of the steps runs the listed GEMMs in BF16 (the higher-precision final phase of
     # Chmiel et al., "FP4 All the Way", 2025; NVIDIA's NVFP4 recipe switches the forward alone).

@@ -13,7 +13,13 @@ held-out loss over the first ``--eval-batches`` batches of each source's validat
 the linears it names (the rest stay BF16), to find which layers' forward the loss pays for;
 ``--set-fprop PATTERN=MODE`` runs the forward GEMM of the linears it names in another mode after
 the calibration, to find what a policy's choice there costs; ``--hadamard-size``,
-``--random-signs`` and ``--scale-mode`` change that setting in every GEMM of every recipe.
+``--random-signs`` and ``--scale-mode`` change that setting in every GEMM of every recipe;
+``--fprop-mean-bias`` takes the activation's mean out of every forward GEMM's MXFP4 operand and adds
+it back as a rank-one GEMV (``AdaHOPConfig.fprop_mean_bias``); ``--fprop-unbias`` scales every
+forward GEMM's MXFP4 product by the per-row factors that undo round to nearest's shrink toward
+zero (``AdaHOPConfig.fprop_unbias``). ``--output-jitter EPS`` multiplies every converted linear's
+output by 1 + EPS: at EPS = 1e-6 the numerics are the same and only low bits move, so the change
+of the loss is the noise floor of comparing two forwards (rounding decisions flip and compound).
 
     python benchmarks/pretrained_forward.py --init smollm2 --corpus runs/corpus_smollm2 \\
         --recipes bf16 mxfp4 mxfp4_iht adahop_lv2 adahop_measured --out runs/pretrained_forward.jsonl
@@ -96,6 +102,15 @@ def set_fprop(model, rules: list[tuple[str, str]]) -> None:
             layer.set_modes({**layer.modes, "fprop": mode}, oe_ks=oe_ks or None)
 
 
+def jitter_outputs(model, eps: float) -> None:
+    """Multiply every converted linear's output by ``1 + eps`` (after the calibration): with eps
+    near float32's resolution the numerics are the same but low bits of the activations change,
+    and with them some rounding decisions downstream. How far that moves the held-out loss is
+    the noise floor of a comparison between two forwards."""
+    for layer in adahop.adahop_layers(model).values():
+        layer.register_forward_hook(lambda mod, args, out: out * (1 + eps))
+
+
 def converted_hp_share(model, tokens: int) -> float:
     """The share of the converted linears' forward FLOPs in high precision (BF16 GEMMs and OE's
     slices), OE counted over the ``tokens`` rows of one call: a batch's (batch size x sequence
@@ -130,6 +145,10 @@ def measure(args, recipe: str, pretrained, corpus, device: torch.device) -> dict
         budgeted = args.hp_budget is not None and cfg.adaptive and cfg.policy in QUANT_POLICIES
         if budgeted:
             cfg = cfg.replace(hp_budget=args.hp_budget)
+        if args.fprop_mean_bias:
+            cfg = cfg.replace(fprop_mean_bias=True)
+        if args.fprop_unbias:
+            cfg = cfg.replace(fprop_unbias=True)
         adahop.convert_to_adahop_training(model, config=cfg, module_filter_fn=layer_filter(model, args.layers))
         if not adahop.adahop_layers(model):
             names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][:3]
@@ -140,6 +159,8 @@ def measure(args, recipe: str, pretrained, corpus, device: torch.device) -> dict
                                         seed=args.seed))
             calibrate(model, batches, args.calibration_steps, device)
         set_fprop(model, args.set_fprop)
+        if args.output_jitter:
+            jitter_outputs(model, args.output_jitter)
     result = heldout_eval(model, corpus, seq_len=args.seq_len, batch_size=args.batch_size,
                           max_batches=args.eval_batches)
     modes = {name: layer.modes for name, layer in adahop.adahop_layers(model).items()}
@@ -150,6 +171,12 @@ def measure(args, recipe: str, pretrained, corpus, device: torch.device) -> dict
         label += " (" + ", ".join(f"{k} {v}" for k, v in gemm_settings(args).items()) + ")"
     if budgeted:
         label += f" (hp_budget {args.hp_budget:g})"
+    if args.output_jitter and recipe != "bf16":
+        label += f" (outputs x (1 {args.output_jitter:+g}))"
+    if args.fprop_mean_bias and recipe != "bf16":
+        label += " (fprop mean bias)"
+    if args.fprop_unbias and recipe != "bf16":
+        label += " (fprop unbias)"
     return {"recipe": recipe, "label": label, "heldout_loss": result["loss"], "tokens": result["tokens"],
             "fprop_mxfp4_share": share, "converted_fprop_hp_share": hp,
             "sources": {s: v["loss"] for s, v in result["sources"].items()},
@@ -189,6 +216,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="random signs before every GEMM's Hadamard (default: each recipe's, none but tseng's)")
     p.add_argument("--scale-mode", default=None, choices=SCALE_MODES,
                    help="the MXFP4 scale mode of every GEMM (default: each recipe's, even but tseng's)")
+    p.add_argument("--fprop-mean-bias", action="store_true",
+                   help="take the activation's mean over tokens out of every forward GEMM's MXFP4 operand, added "
+                        "back as a rank-one GEMV (AdaHOPConfig.fprop_mean_bias)")
+    p.add_argument("--fprop-unbias", action="store_true",
+                   help="scale every forward GEMM's MXFP4 product by the per-row factors of x and W that undo round "
+                        "to nearest's shrink toward zero (AdaHOPConfig.fprop_unbias)")
+    p.add_argument("--output-jitter", type=float, default=0.0, metavar="EPS",
+                   help="multiply every converted linear's output by 1 + EPS (e.g. 1e-6): the loss's noise floor under "
+                        "bit-level changes (default: none)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=4, help="windows per batch (default: %(default)s)")
     p.add_argument("--eval-batches", type=int, default=2, help="batches of each source's validation shard")

@@ -55,9 +55,9 @@ def rows_of(path):
 def test_every_script_is_listed():
     # a new script gets a smoke test here: in GPU_ONLY (refusal) or in a CPU run below
     assert set(SCRIPTS) == {"ablation", "activation_memory", "backend_agreement", "bench_gemm", "bench_kernels",
-                            "bench_linear", "bench_train_speed", "check_compile", "check_hopper", "gpu_reference_check",
-                            "memory_profile", "offline_compile", "pretrained_forward", "quant_error_study",
-                            "quantize_ceiling", "sass_count", "train_compare", "value_error"}
+                            "bench_linear", "bench_train_speed", "check_compile", "check_hopper", "fprop_bias",
+                            "gpu_reference_check", "memory_profile", "offline_compile", "pretrained_forward",
+                            "quant_error_study", "quantize_ceiling", "sass_count", "train_compare", "value_error"}
     assert not (BENCH / "bench_hopper.py").exists()
 
 

@@ -590,6 +590,25 @@ def test_pretrained_forward_benchmark(corpus, tmp_path, capsys):
                        "--out", str(out)]) == 0
     lv2, mx = (json.loads(line) for line in out.read_text().splitlines()[-2:])
     assert lv2["label"] == "adahop_lv2 (*.wv fprop mxfp4) (*.wo fprop iht+oe_right)"
+    # --fprop-mean-bias: the option in every converted layer, which moves the loss
+    assert bench.main(["--init", str(folder), "--corpus", str(corpus), "--recipes", "mxfp4", "--fprop-mean-bias",
+                       "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1", "--backend", "reference",
+                       "--device", "cpu", "--out", str(out)]) == 0
+    split = json.loads(out.read_text().splitlines()[-1])
+    assert split["label"] == "mxfp4 (fprop mean bias)" and split["settings"]["fprop_mean_bias"]
+    assert split["heldout_loss"] != rows["mxfp4"]["heldout_loss"]
+    assert bench.main(["--init", str(folder), "--corpus", str(corpus), "--recipes", "mxfp4", "--fprop-unbias",
+                       "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1", "--backend", "reference",
+                       "--device", "cpu", "--out", str(out)]) == 0
+    scaled = json.loads(out.read_text().splitlines()[-1])
+    assert scaled["label"] == "mxfp4 (fprop unbias)" and scaled["settings"]["fprop_unbias"]
+    assert scaled["heldout_loss"] != rows["mxfp4"]["heldout_loss"]
+    assert bench.main(["--init", str(folder), "--corpus", str(corpus), "--recipes", "mxfp4", "--output-jitter", "0.5",
+                       "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1", "--backend", "reference",
+                       "--device", "cpu", "--out", str(out)]) == 0
+    jittered = json.loads(out.read_text().splitlines()[-1])
+    assert jittered["label"] == "mxfp4 (outputs x (1 +0.5))" and jittered["settings"]["output_jitter"] == 0.5
+    assert jittered["heldout_loss"] != rows["mxfp4"]["heldout_loss"]
     assert lv2["settings"]["set_fprop"] == [["*.wv", "mxfp4"], ["*.wo", "iht+oe_right"]]
     for row in (lv2, mx):
         for name, m in row["modes"].items():
@@ -694,3 +713,46 @@ def test_value_error_benchmark(corpus, tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--init", str(other), "--corpus", str(corpus)])
     assert "is not the model's" in capsys.readouterr().err
+
+
+def test_fprop_bias_benchmark(corpus, tmp_path, capsys):
+    """benchmarks/fprop_bias.py: operands on the MXFP4 grid have no bias and no error in naive
+    MXFP4; an unbiasing factor takes the output's gain to 0; the mean taken out helps an input
+    with a large mean; a row per linear with the environment."""
+    import importlib.util
+    import math
+    import sys
+    from pathlib import Path
+
+    from adahop.data.corpus import load_corpus
+    from adahop.formats.mxfp4 import fake_quantize_mxfp4
+
+    path = Path(__file__).parent.parent / "benchmarks" / "fprop_bias.py"
+    spec = importlib.util.spec_from_file_location("fprop_bias", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+
+    g = torch.Generator().manual_seed(1)
+    x = fake_quantize_mxfp4(torch.randn(64, 64, generator=g))
+    w = fake_quantize_mxfp4(torch.randn(32, 64, generator=g))
+    r = bench.linear_stats(x, w)["mxfp4/even"]
+    assert r["x"]["gain"] == 0 and r["x"]["mag_bias"] == 0 and math.isinf(r["y_db"]) and r["y_gain"] == 0
+    x, w = torch.randn(256, 64, generator=g), torch.randn(32, 64, generator=g)
+    r = bench.linear_stats(x, w)["iht/even"]
+    assert r["x"]["gain"] < 0 and r["w"]["gain"] < 0  # round to nearest shrinks
+    assert abs(r["unbiased_per_tensor"]["y_gain"]) < abs(r["y_gain"])
+    row = bench.linear_stats(x + 4 * torch.randn(1, 64, generator=g), w)
+    assert row["mean_energy_share"] > 0.8
+    assert row["mxfp4/even"]["mean_removed"]["y_db"] > row["mxfp4/even"]["y_db"] + 3
+
+    cfg = dict(HF_CONFIG, vocab_size=load_corpus(corpus).vocab_size)
+    folder = write_hf(tmp_path / "hf", cfg, hf_weights(cfg))
+    out = tmp_path / "rows.jsonl"
+    assert bench.main(["--init", str(folder), "--corpus", str(corpus), "--seq-len", "16", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 14 and all("env" in r and r["settings"]["seq_len"] == 16 for r in rows)
+    assert all(math.isfinite(r[f"{m}/{s}"]["y_db"]) for r in rows for m in bench.MODES for s in bench.SCALE_MODES)
+    assert "| iht/even |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--init", str(folder), "--corpus", str(corpus), "--batches", "0"])

@@ -149,6 +149,14 @@ class AdaHOPConfig:
     # (adahop.quantized_all_gather; docs/distributed.md). The converted weights are set up for it;
     # the model is sharded with FSDP2's own fully_shard. Needs dgrad_weight "forward".
     quantized_all_gather: bool = False
+    # Take the activation's mean over tokens out of the forward GEMM's MXFP4 operand and add it
+    # back as a rank-one GEMV in x's dtype (``adahop.mean_bias``, which gives the numerics; the
+    # backward is unchanged). Done above the backends (``layer.gemms``): every backend runs it.
+    fprop_mean_bias: bool = False
+    # Scale the forward GEMM's MXFP4 product by per-row factors of x and W that undo round to
+    # nearest's shrink toward zero (``adahop.unbias``, which gives the numerics; the backward is
+    # unchanged). Computed with the reference quantization on any backend: an experiment.
+    fprop_unbias: bool = False
 
     def __post_init__(self):
         for gemm in GEMMS:
@@ -170,7 +178,7 @@ class AdaHOPConfig:
                                  "GEMM in BF16")
         check_tau(self.tau)
         check_seed(self.seed)
-        for flag in ("adaptive", "share_input", "quantized_all_gather"):
+        for flag in ("adaptive", "share_input", "quantized_all_gather", "fprop_mean_bias", "fprop_unbias"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         steps = self.calibration_steps
@@ -185,12 +193,25 @@ class AdaHOPConfig:
             if not self.adaptive and set(self.fixed_modes().values()) == {"bf16"}:
                 raise ValueError(f"quantized_all_gather: recipe {self.recipe!r} runs no MXFP4 GEMM, there is nothing "
                                  "to gather quantized")
+        for option in ("fprop_mean_bias", "fprop_unbias"):
+            if getattr(self, option):
+                self._check_fprop_option(option)
         if self.policy == "loss_aware" and self.policy_fn is not None:
             raise ValueError("policy 'loss_aware' decides over all the layers at once (model_policy); a per-layer "
                              "policy_fn cannot replace it: give policy_fn with policy 'lv2', 'lv1' or 'measured'")
         if self.policy == "measured" and (self.policy_fn is None or isinstance(self.policy_fn, _ConfigMeasuredPolicy)):
             # k is part of the choice (from k/4 to 2k of each GEMM's oe_k: quant_error.oe_k_ladder)
             object.__setattr__(self, "policy_fn", _ConfigMeasuredPolicy(self.hp_budget, None))
+
+    def _check_fprop_option(self, option: str) -> None:
+        """fprop_mean_bias's and fprop_unbias's limits: both need the weight in high precision (the
+        GEMV; the weight's factors), and an MXFP4 forward to act on."""
+        if self.quantized_all_gather:
+            raise ValueError(f"{option} needs the weight in high precision in the forward: it cannot be combined "
+                             "with quantized_all_gather")
+        if not self.adaptive and self.fprop.mode == "bf16":
+            raise ValueError(f"{option} is for recipes with an MXFP4 forward; recipe {self.recipe!r} runs fprop "
+                             "in BF16")
 
     @property
     def model_policy(self) -> LossAwarePolicy | None:

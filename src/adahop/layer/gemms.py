@@ -23,8 +23,10 @@ import torch
 from adahop.formats.mxfp4 import MXFP4Tensor, dequantize_mxfp4, fake_quantize_mxfp4_tiles
 from adahop.gemm_geometry import DGRAD, FPROP, GEMMS, WGRAD, oe_outer_size
 from adahop.layer.plan import GemmPlan, LayerPlan
+from adahop.mean_bias import add_mean_term, split_mean
 from adahop.ops.operand import quantize_operand
 from adahop.transforms.hadamard import inverse_block_hadamard, random_signs
+from adahop.unbias import row_unbiasing, unbias_product
 
 # GEMM modes whose B operand is only quantized (no high-precision slice of it, no selection by
 # its norms): there the layer's weight (float32 under autocast) goes to the quantize kernel as it
@@ -34,7 +36,7 @@ PLAIN_MODES = ("mxfp4", "iht")
 
 
 def mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=None, b_cols_hp=None, b_cols_idx=None,
-               a_q=None, a_norms=None, a_bound=None, b_cast_to=None, out_dtype):
+               a_q=None, a_norms=None, a_bound=None, b_cast_to=None, out_dtype, unbias=False):
     """One GEMM of a layer as its plan (``make_gemm_plan``) says, on ``backend``: C = A @ B with
     both operands quantized to MXFP4 along the contraction (after the plan's Hadamard transform,
     with its rounding and scale mode), the product in ``out_dtype``, and for the OE modes the
@@ -49,7 +51,9 @@ def mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=N
     quantized (the backward's gradient: both orientations come from one kernel); ``a_norms``: the
     L2 norms of A's rows, if that kernel summed them (for OE-left); ``a_bound``: a bound on the
     magnitudes of A's rows for a backend that takes one (``layer.bounds``); ``b_cast_to``: B is
-    ``b.to(b_cast_to)`` (a plain mode's weight, cast by the quantize kernel)."""
+    ``b.to(b_cast_to)`` (a plain mode's weight, cast by the quantize kernel); ``unbias``: the
+    MXFP4 product scaled by the operands' row factors (``adahop.unbias``) before the OE slices
+    are written, B given as a tensor."""
     rows_idx = cols_idx = None
     if plan.mode == "iht+oe_left":
         rows_idx = backend.select_outer(a, 1 - a_dim, plan.oe_k, norms=a_norms)
@@ -62,6 +66,9 @@ def mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=N
     b_q = b if isinstance(b, MXFP4Tensor) else backend.quantize(b, b_dim, plan.b, zero_outer=cols_idx,
                                                                 cast_to=b_cast_to)
     c = backend.mm_nt(a_q, b_q, out_dtype)
+    if unbias:  # (OE's zeroed slices: their factors scale zeros, and the slices are written below)
+        b_t = b if b_cast_to is None else b.to(b_cast_to)
+        c = unbias_product(c, row_unbiasing(a, a_dim, plan.a), row_unbiasing(b_t, b_dim, plan.b))
     # The high-precision slices are GEMMs in the operands' dtype (bf16 under autocast), written
     # into C in C's dtype (wgrad's C is the parameter's, float32: see the backward).
     if rows_idx is not None:
@@ -137,7 +144,12 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_q
     precision (chosen here from x's column norms), else None. ``x_quantized``: what
     ``quantize_input`` gave for x and this plan, made once for the layers that read x
     (``linear_group_forward``); ``x_bound``: a bound on the magnitudes of x's rows, where the
-    backend takes one (``layer.bounds``)."""
+    backend takes one (``layer.bounds``).
+
+    With ``plan.fprop_mean_bias`` (a quantized fprop), fprop's A is x with its mean over the T
+    rows taken out and the mean's product with the weight is added back (``adahop.mean_bias``);
+    wgrad's x is x itself, and nothing of x is quantized ahead for fprop (``x_quantized``'s
+    first part must be None: ``grouped.input_key`` shares nothing for such a layer)."""
     # The parameter itself is saved and cast again in the backward: saving the cast copy
     # (bf16 under autocast) would hold 2 bytes per weight for the whole step. A plain fprop
     # mode casts it in its quantize kernel (PLAIN_MODES); the others use a cast copy.
@@ -153,10 +165,12 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_q
     backend = plan.backend
     _warn_oe_clamp(plan, x_TK.shape[0], weight.shape[0], weight.shape[1])
 
+    mean_bias = plan.fprop_mean_bias and fp.quantized
     x_fprop = x_saved = x_col_norms = None
     if x_quantized is not None:
         x_fprop, x_saved, x_col_norms = x_quantized
-    elif fp.quantized and wg.quantized and plan.needs_backward and backend.has_quantize_and_pack:
+        assert not (mean_bias and x_fprop is not None), "x quantized ahead reaches a mean-split fprop"
+    elif fp.quantized and wg.quantized and plan.needs_backward and backend.has_quantize_and_pack and not mean_bias:
         # x is A of fprop (along K) and B of wgrad (along T, packed, saved): one call
         # quantizes both orientations (one kernel from the same reads where that is faster),
         # and gives the column norms that wgrad's OE-right ranks.
@@ -166,19 +180,28 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_q
 
     # GEMM 1: fprop y_TN = x_TK @ w_NK^T, [T,K]@[K,N]->[T,N]; A = x (rows: tokens),
     # B = w^T (columns: output features). Both quantized along K.
+    # With the mean split (adahop.mean_bias) A is r = x - mu everywhere in the GEMM, OE's
+    # high-precision slices included (they are written over C, and the mean's term comes after).
+    # r is made here, above the backend, which quantizes it as any operand: every backend runs
+    # the option with its usual bits.
     if not fp.quantized:
         y_TN = x_TK @ w_NK.t()
     else:
+        mu_1K, a_TK = split_mean(x_TK) if mean_bias else (None, x_TK)
         y_TN = mxfp4_gemm(
-            fp, backend, x_TK, FPROP.a.dim, w_NK, FPROP.b.dim,
-            a_hp=lambda idx: x_TK if idx is None else x_TK[idx],
+            fp, backend, a_TK, FPROP.a.dim, w_NK, FPROP.b.dim,
+            a_hp=lambda idx: a_TK if idx is None else a_TK[idx],
             b_hp=lambda: w_NK.t(),
             a_q=x_fprop,
-            a_bound=x_bound,
+            # x's bound is not r's: a backend that takes bounds finds r's rows' own (one more pass)
+            a_bound=None if mean_bias else x_bound,
             b_cast_to=x_TK.dtype if cast_in_kernel else None,
             out_dtype=x_TK.dtype,
+            unbias=plan.fprop_unbias,
         )
-        x_fprop = None  # freed
+        if mean_bias:
+            y_TN = add_mean_term(y_TN, mu_1K, w_NK)
+        x_fprop = a_TK = None  # freed
 
     # What wgrad (dw_NK = g^T x) needs of x: x quantized along T, or (wgrad in bf16) x itself,
     # which the autograd context saves from the op's input; nothing when no backward will run

@@ -19,7 +19,7 @@ from adahop.gemm_geometry import FPROP, WGRAD
 from adahop.layer.bounds import gradient_bounds
 from adahop.layer.gemms import forward_gemms
 from adahop.layer.ops import empty_output, forward_fake
-from adahop.layer.plan import GemmPlan, LayerPlan, layer_plan, numerics_templates
+from adahop.layer.plan import GemmPlan, LayerPlan, layer_plan, numerics_fprop_mean_bias, numerics_templates
 
 
 def _input_specs(fprop: GemmPlan, wgrad: GemmPlan, needs_backward: bool):
@@ -33,8 +33,10 @@ def _input_specs(fprop: GemmPlan, wgrad: GemmPlan, needs_backward: bool):
 def input_key(numerics: str, needs_backward: bool) -> tuple | None:
     """What ``quantize_input`` makes of x under a layer's numerics key, as a hashable key: the
     layers whose keys are equal get the same tensors from it. None where there is nothing to
-    share: no quantized GEMM reads x, or an operand of x rounds stochastically (each layer
-    draws its own bits)."""
+    share: no quantized GEMM reads x, an operand of x rounds stochastically (each layer
+    draws its own bits), or fprop quantizes x with its mean taken out (``adahop.mean_bias``)."""
+    if numerics_fprop_mean_bias(numerics):
+        return None
     backend_name, (fprop, _, wgrad), _ = numerics_templates(numerics)
     a, b, col_norms = _input_specs(fprop, wgrad, needs_backward)
     if (a is None and b is None) or any(s is not None and s.stochastic for s in (a, b)):

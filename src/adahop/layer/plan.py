@@ -3,8 +3,9 @@ and which backend runs them.
 
 ``numerics_key`` writes a layer's settings as one string, the ``numerics`` argument of the custom
 ops (``layer.ops``): for each GEMM its mode and how each operand is quantized (block, scale mode,
-rounding, Hadamard size, random-sign seed, OE k), which weight dgrad multiplies by, and the backend
-name. Layers with the same settings share it (and the compiled code). ``layer_plan`` turns a key and
+rounding, Hadamard size, random-sign seed, OE k), which weight dgrad multiplies by, the backend
+name, and (only where they are on) ``fprop_mean_bias`` and ``fprop_unbias``. Layers with the same settings share it (and
+the compiled code). ``layer_plan`` turns a key and
 the layer's ``rng_state`` (int64 ``[prefix, call]``, its stochastic-rounding chain on the device:
 ``formats.rng.SRStream``) into the plan of one call, each SR operand's seed an ``SRStream``, derived
 inside the kernels, so that no seed is read back to the host and each replay of a CUDA graph draws
@@ -67,6 +68,8 @@ class LayerPlan:
     backend: object
     needs_backward: bool = True  # False under no_grad / inference: nothing is saved for wgrad
     dgrad_weight: str = "master"  # AdaHOPConfig.dgrad_weight
+    fprop_mean_bias: bool = False  # AdaHOPConfig.fprop_mean_bias (adahop.mean_bias)
+    fprop_unbias: bool = False  # AdaHOPConfig.fprop_unbias (adahop.unbias)
 
 
 # ---- the numerics key: the ops' one description of a layer's GEMMs ----------------------------
@@ -82,8 +85,11 @@ def numerics_key(config: AdaHOPConfig, modes: dict, signs_seeds: tuple, oe_ks: d
         if oe_ks and gemm in oe_ks:
             cfg["oe_k"] = oe_ks[gemm]
         gemms.append(cfg)
-    return json.dumps({"backend": config.backend, "gemms": gemms, "dgrad_weight": config.dgrad_weight},
-                      sort_keys=True, separators=(",", ":"))
+    key = {"backend": config.backend, "gemms": gemms, "dgrad_weight": config.dgrad_weight}
+    for option in FPROP_OPTIONS:  # (only where on: every other layer's key stays as it was)
+        if getattr(config, option):
+            key[option] = True
+    return json.dumps(key, sort_keys=True, separators=(",", ":"))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -97,6 +103,24 @@ def numerics_templates(numerics: str) -> tuple[str, tuple[GemmPlan, ...], str]:
         cfg = GemmConfig(**{f.name: g[f.name] for f in dataclasses.fields(GemmConfig)})  # (mode: the layer's)
         plans.append(make_gemm_plan(cfg.mode, cfg, sr_seeds=(0, 0), signs_seed=g["signs_seed"]))
     return d["backend"], tuple(plans), d["dgrad_weight"]
+
+
+# The forward's options a numerics key carries where they are on (AdaHOPConfig's fields of these names).
+FPROP_OPTIONS = ("fprop_mean_bias", "fprop_unbias")
+
+
+@functools.lru_cache(maxsize=1024)
+def numerics_fprop_options(numerics: str) -> dict[str, bool]:
+    """``{option: on}`` for each of ``FPROP_OPTIONS`` under a numerics key (cached: a caller must
+    not change the dict)."""
+    d = json.loads(numerics)
+    return {option: bool(d.get(option, False)) for option in FPROP_OPTIONS}
+
+
+def numerics_fprop_mean_bias(numerics: str) -> bool:
+    """Whether a numerics key takes the activation's mean out of fprop's operand
+    (``AdaHOPConfig.fprop_mean_bias``)."""
+    return numerics_fprop_options(numerics)["fprop_mean_bias"]
 
 
 def layer_plan(numerics: str, rng_state: torch.Tensor, device: torch.device, needs_backward: bool) -> LayerPlan:
@@ -114,4 +138,4 @@ def layer_plan(numerics: str, rng_state: torch.Tensor, device: torch.device, nee
             plan = GemmPlan(plan.mode, a, b, plan.oe_k)
         plans.append(plan)
     return LayerPlan(*plans, backend=get_backend(backend_name, device), needs_backward=needs_backward,
-                     dgrad_weight=dgrad_weight)
+                     dgrad_weight=dgrad_weight, **numerics_fprop_options(numerics))
