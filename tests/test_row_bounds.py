@@ -296,3 +296,17 @@ def test_row_and_column_maxima_from_one_read(shape):
     assert empty_r.shape == (0,) and torch.equal(empty_c, torch.zeros(shape[1], device=x.device))
     with pytest.raises(ValueError, match="2-D floating-point"):
         row_col_absmax(x[0])
+
+
+def test_no_input_bound_where_fprop_splits_the_mean(monkeypatch):
+    """With ``fprop_mean_bias`` fprop quantizes x less its mean, which x's bound does not bound:
+    the layer takes none for x (the gradient's are taken as before)."""
+    from adahop.layer.bounds import bounds_wanted
+
+    monkeypatch.setattr(adahop.layer.plan, "get_backend", lambda name, device: _EmulatedHopper())
+    cfg = adahop.AdaHOPConfig.from_recipe_name("mxfp4_iht")
+    plain = adahop.AdaHOPLinear.from_float(nn.Linear(64, 32, bias=False), config=cfg, name="a")
+    split = adahop.AdaHOPLinear.from_float(nn.Linear(64, 32, bias=False), config=cfg.replace(fprop_mean_bias=True),
+                                           name="b")
+    assert bounds_wanted(plain.numerics, "cpu") == (True, True, True)
+    assert bounds_wanted(split.numerics, "cpu") == (False, True, True)

@@ -42,7 +42,10 @@ def bounds_wanted(numerics: str, device: str) -> tuple[bool, bool, bool]:
     parsing and the device query of ``auto``."""
     backend_name, gemms, _ = numerics_templates(numerics)
     takes = bool(getattr(plan.get_backend(backend_name, torch.device(device)), "takes_row_bounds", False))
-    return tuple(takes and g.quantized for g in gemms)
+    wanted = [takes and g.quantized for g in gemms]
+    if plan.numerics_fprop_mean_bias(numerics):  # fprop quantizes x less its mean, which x's bound does not bound
+        wanted[0] = False
+    return tuple(wanted)
 
 
 def input_bound(x_TK: torch.Tensor, numerics: str) -> torch.Tensor | None:
