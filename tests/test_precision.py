@@ -208,3 +208,40 @@ def test_a_resume_with_another_bf16_phase_is_refused(tmp_path):
                           "bf16_phase_gemms: ('fprop',) -> ('fprop', 'dgrad')")):
         with pytest.raises(ValueError, match=re.escape(line)):
             train(dataclasses.replace(cfg, **change), model=llama(), train_batches=CountingBatches())
+
+
+def test_bf16_blocks_find_the_blocks_of_other_models():
+    """The blocks of a Hugging Face Llama-like (``model.layers``), GPT-2 (``transformer.h``) and a
+    torchtitan-like ModuleDict (``layers``) are found by position; a model with none, or with two
+    candidate lists, is refused naming what it has."""
+    from torch import nn
+
+    from adahop.schedule import block_filter, transformer_blocks
+
+    def block():
+        return nn.ModuleDict({"attn": nn.Linear(256, 256), "mlp": nn.Linear(256, 256)})
+
+    hf = nn.Module()
+    hf.model = nn.Module()
+    hf.model.layers = nn.ModuleList(block() for _ in range(4))
+    hf.lm_head = nn.Linear(256, 300)
+    gpt2 = nn.Module()
+    gpt2.transformer = nn.Module()
+    gpt2.transformer.h = nn.ModuleList(block() for _ in range(3))
+    titan = nn.Module()
+    titan.layers = nn.ModuleDict({str(i): block() for i in range(3)})
+    assert transformer_blocks(hf) == [f"model.layers.{i}" for i in range(4)]
+    assert transformer_blocks(gpt2) == ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
+    assert transformer_blocks(titan) == ["layers.0", "layers.1", "layers.2"]
+    keep = block_filter(hf, (1, 1), min_features=0)
+    linears = {fqn: m for fqn, m in hf.named_modules() if isinstance(m, nn.Linear)}
+    kept_out = sorted(fqn for fqn, m in linears.items() if fqn.startswith("model.") and not keep(m, fqn))
+    assert kept_out == ["model.layers.0.attn", "model.layers.0.mlp", "model.layers.3.attn", "model.layers.3.mlp"]
+    keep = block_filter(titan, (0, 1), min_features=0)
+    assert not keep(titan.layers["2"]["mlp"], "layers.2.mlp") and keep(titan.layers["1"]["mlp"], "layers.1.mlp")
+    with pytest.raises(ValueError, match="has none"):
+        transformer_blocks(nn.Sequential(nn.Linear(4, 4)))
+    both = nn.Module()
+    both.layers, both.blocks = nn.ModuleList([block()]), nn.ModuleList([block()])
+    with pytest.raises(ValueError, match="has layers, blocks"):
+        transformer_blocks(both)

@@ -27,7 +27,6 @@ still choosing its modes when the phase begins.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -36,7 +35,10 @@ from torch import nn
 from adahop.convert import MIN_FEATURES, adahop_layers, default_module_filter
 from adahop.policy import GEMMS
 
-_BLOCK = re.compile(r"^layers\.(\d+)\.")
+# The names under which models keep their transformer blocks: adahop's Llama, Hugging Face's
+# Llama-likes (``model.layers``) and torchtitan's (``layers``, a ModuleDict); GPT-2 (``transformer.h``);
+# others' ``blocks``.
+BLOCK_CONTAINER_NAMES = ("layers", "h", "blocks")
 
 
 def check_bf16_blocks(value) -> tuple[int, int]:
@@ -101,26 +103,40 @@ def apply_bf16_phase(model: nn.Module, gemms: tuple[str, ...]) -> list[str]:
     return changed
 
 
+def transformer_blocks(model: nn.Module) -> list[str]:
+    """The fully qualified names of the model's transformer blocks, in order: the children of its
+    one non-empty ``nn.ModuleList`` or ``nn.ModuleDict`` named as in ``BLOCK_CONTAINER_NAMES``
+    (``layers`` of adahop's Llama and torchtitan's models, ``model.layers`` of Hugging Face's
+    Llama-likes, ``transformer.h`` of GPT-2). Raises ValueError naming what it found where that is
+    not exactly one."""
+    found = [(name, mod) for name, mod in model.named_modules()
+             if name.rsplit(".", 1)[-1] in BLOCK_CONTAINER_NAMES and isinstance(mod, (nn.ModuleList, nn.ModuleDict))
+             and len(mod) > 0]
+    if len(found) != 1:
+        what = ", ".join(name for name, _ in found) or "none"
+        raise ValueError(f"bf16_blocks needs one list of transformer blocks named {'/'.join(BLOCK_CONTAINER_NAMES)} "
+                         f"(a ModuleList or ModuleDict); {type(model).__name__} has {what}")
+    prefix, blocks = found[0]
+    keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else [str(i) for i in range(len(blocks))]
+    return [f"{prefix}.{key}" for key in keys]
+
+
 def block_filter(model: nn.Module, bf16_blocks: tuple[int, int], min_features: int = MIN_FEATURES):
     """The ``module_filter_fn`` that converts what the default filter converts (at the size rule's
-    ``min_features``), except the linears of the first and last blocks ``bf16_blocks`` names. The
-    blocks are the model's ``layers`` (adahop's Llama; fqns ``layers.<i>.``)."""
+    ``min_features``), except the linears of the first and last blocks ``bf16_blocks`` names
+    (``transformer_blocks``: by position in the model's list of blocks)."""
     first, last = bf16_blocks
     default = default_module_filter(model, min_features=min_features)
     if first == last == 0:
         return default
-    blocks = getattr(model, "layers", None)
-    if not isinstance(blocks, nn.ModuleList):
-        raise ValueError("bf16_blocks needs a model whose transformer blocks are its `layers` ModuleList "
-                         f"(adahop's Llama); {type(model).__name__} has none")
+    blocks = transformer_blocks(model)
     n = len(blocks)
     if first + last > n:
         raise ValueError(f"bf16_blocks {bf16_blocks} keeps more blocks in BF16 than the model has ({n})")
-    kept = set(range(first)) | set(range(n - last, n))
+    kept = tuple(f"{name}." for name in blocks[:first] + blocks[n - last:])
 
     def keep(mod: nn.Module, fqn: str) -> bool:
-        m = _BLOCK.match(fqn)
-        return default(mod, fqn) and not (m and int(m.group(1)) in kept)
+        return default(mod, fqn) and not fqn.startswith(kept)
 
     return keep
 
