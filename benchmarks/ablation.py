@@ -105,6 +105,8 @@ VARIANTS: dict[str, Variant] = {
     "lv2": Variant(_LV2, "adahop_lv2"),
     "lv1": Variant(_recipe("adahop_lv1"), "adahop_lv1"),
     "measured": Variant(_recipe("adahop_measured"), "the measured policy (adahop_measured), 8% FLOP budget"),
+    "loss_aware": Variant(_recipe("adahop_loss_aware"), "the loss-aware policy (adahop_loss_aware): one knapsack "
+                          "over the model's GEMMs by predicted loss, 3% FLOP budget"),
     # An adaptive recipe inside 90% MXFP4 over a 125M run: its BF16 calibration steps and OE slices
     # are what keeps the measured policy at 88% (the lm_head, in BF16 in every recipe, costs 7.7%).
     "measured_b2_c10": Variant(_recipe("adahop_measured", hp_budget=0.02), "the measured policy, 2% FLOP budget, "
