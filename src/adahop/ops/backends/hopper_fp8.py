@@ -103,7 +103,10 @@ class HopperFP8Backend(Backend):
     # 4096: 0.259 / 0.273, 8192: 0.505 / 0.526, 14336: 0.871 / 0.912. Up to K = 2048 a row fits one
     # chunk of the e4m3 kernel (one read, one launch), so the two calls read x twice in two
     # launches, as the fused kernel does, and without its row-maximum reduction between them.
-    # Between 2048 and 4096 nothing was measured; those sizes take the two calls too.
+    # Between 2048 and 4096 nothing was measured; those sizes take the two calls too. With a row
+    # bound the fused kernel is one read and wins at every K (H100, T = 32768: K = 2048 0.135 against
+    # 0.164 ms for two calls with the bound, 8192 0.516 against 0.637;
+    # benchmarks/results/row_bounds_h100_2026-12-07): the threshold is for the exact row maxima.
     FUSED_X_MIN_K = 4096
 
     def quantize_and_pack(self, x, spec_cols: OperandSpec, spec_rows: OperandSpec, col_norms: bool = False,
