@@ -310,3 +310,28 @@ def test_no_input_bound_where_fprop_splits_the_mean(monkeypatch):
                                            name="b")
     assert bounds_wanted(plain.numerics, "cpu") == (True, True, True)
     assert bounds_wanted(split.numerics, "cpu") == (False, True, True)
+
+
+def test_a_group_on_one_input_takes_its_bound_once(monkeypatch):
+    """q, k and v (layers that read one activation, ``shared_input``) share x's bound: one
+    reduction for the group, not one per layer."""
+    import adahop.layer.bounds as lb
+    from adahop.shared_input import linears_on_one_input
+
+    monkeypatch.setattr(adahop.layer.plan, "get_backend", lambda name, device: _EmulatedHopper())
+    taken = []
+    real = lb.magnitude_bound
+    monkeypatch.setattr(lb, "magnitude_bound", lambda t, dim: taken.append(dim) or real(t, dim))
+    cfg = adahop.AdaHOPConfig.from_recipe_name("mxfp4_iht")
+    torch.manual_seed(0)
+    layers = [adahop.AdaHOPLinear.from_float(nn.Linear(64, 32, bias=False), config=cfg, name=f"l{i}")
+              for i in range(3)]
+    x = make((16, 64), seed=2, spread=0.5).float()
+    with torch.no_grad():
+        grouped = linears_on_one_input(layers, [x] * 3)
+    assert taken == [1]
+    taken.clear()
+    with torch.no_grad():
+        alone = [layer(x) for layer in layers]
+    assert taken == [1, 1, 1]
+    assert all(torch.equal(a, b) for a, b in zip(grouped, alone))

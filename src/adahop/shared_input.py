@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_globals
 
-from adahop.layer.bounds import input_bound
+from adahop.layer.bounds import bounds_wanted, input_bound
 from adahop.layer.grouped import group_numerics_key
 from adahop.linear import AdaHOPLinear
 
@@ -52,9 +52,10 @@ def linears_on_one_input(layers: Sequence[nn.Module], copies: Sequence[torch.Ten
     group_numerics = group_numerics_key([layer.numerics for layer in layers])
     rng_states = [layer.call_rng_state(needs_backward) for layer in layers]
     with torch.autocast(copies[0].device.type, enabled=False):
-        # one bound for the copies (equal values), where some layer's backend takes one
-        bounds = [input_bound(xs[0], layer.numerics) for layer in layers]
-        x_bound = next((b for b in bounds if b is not None), None)
+        # one bound for the copies (equal values), taken once where some layer's backend takes one
+        wanted = next((layer.numerics for layer in layers if bounds_wanted(layer.numerics, str(xs[0].device))[0]),
+                      None)
+        x_bound = None if wanted is None else input_bound(xs[0], wanted)
         out = torch.ops.adahop.linear_group_forward(xs, [layer.weight for layer in layers], rng_states,
                                                     group_numerics, owners, needs_backward, x_bound)
     return tuple(out[5 * i].reshape(*x.shape[:-1], layer.out_features)
