@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import shlex
@@ -124,6 +125,47 @@ def load_pretrained(p: argparse.ArgumentParser, init: str, corpus, max_seq_len: 
         p.error(f"the corpus's vocabulary ({corpus.vocab_size}) is not the model's ({vocab}): build the corpus with "
                 "the model's tokenizer (adahop data --tokenizer ...)")
     return model
+
+
+def add_heldout_args(p: argparse.ArgumentParser, out_help: str) -> None:
+    """The arguments of a script that runs a pretrained model over held-out batches of each of
+    its corpus's sources (``heldout_setup``)."""
+    p.add_argument("--init", default="smollm2", help="smollm2, a .gguf file or a Hugging Face Llama folder")
+    p.add_argument("--corpus", required=True, help="a corpus built with the model's tokenizer")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=2, help="windows per batch (default: %(default)s)")
+    p.add_argument("--batches", type=int, default=1, help="held-out batches of each source (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    p.add_argument("--out", default=None, help=out_help)
+
+
+def heldout_setup(p: argparse.ArgumentParser, args, script: str, argv: list[str] | None):
+    """``(model, env, batches)`` of ``add_heldout_args``'s arguments: the pretrained model, the
+    environment (printed) and the first ``--batches`` held-out batches of each source. Bad
+    arguments are one-line errors through ``p``."""
+    import itertools
+
+    from adahop.data.corpus import TokenBatches
+
+    for name in ("seq_len", "batch_size", "batches"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    corpus = pretrained_corpus(p, args.init, args.corpus)
+    model = load_pretrained(p, args.init, corpus, args.seq_len)
+    env = environment(script, sys.argv[1:] if argv is None else argv)
+    print_environment(env)
+    batches = [x for s in corpus.sources for x, _ in itertools.islice(
+        TokenBatches(corpus, "val", batch_size=args.batch_size, seq_len=args.seq_len, sources=[s]), args.batches)]
+    return model, env, batches
+
+
+def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``approx`` against ``ref``, in dB, in float64 (inf
+    where they are equal)."""
+    err = (approx.double() - ref.double()).pow(2).sum().item()
+    return math.inf if err == 0 else 10 * math.log10(ref.double().pow(2).sum().item() / err)
 
 
 def require_cuda(script: str) -> None:

@@ -27,9 +27,7 @@ The corpus must be built with the model's tokenizer (``adahop data --tokenizer s
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -37,9 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import environment, load_pretrained, pretrained_corpus, print_environment, script_parser  # noqa: E402
+from common import add_heldout_args, heldout_setup, script_parser, sqnr_db  # noqa: E402
 
-from adahop.data.corpus import TokenBatches  # noqa: E402
 from adahop.formats.mxfp4 import E2M1_MAX, fake_quantize_mxfp4, scale_exponent  # noqa: E402
 from adahop.transforms.hadamard import block_hadamard  # noqa: E402
 
@@ -94,11 +91,6 @@ def unbiasing(v: torch.Tensor, q: torch.Tensor, dim: int | None) -> torch.Tensor
     if dim is None:
         return v64.pow(2).sum() / (q64 * v64).sum()
     return v64.pow(2).sum(dim) / (q64 * v64).sum(dim)
-
-
-def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
-    err = (approx - ref).double().pow(2).sum().item()
-    return math.inf if err == 0 else 10 * math.log10(ref.double().pow(2).sum().item() / err)
 
 
 def gain(ref: torch.Tensor, approx: torch.Tensor) -> float:
@@ -167,25 +159,9 @@ def summary(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = script_parser(__doc__)
-    p.add_argument("--init", default="smollm2", help="smollm2, a .gguf file or a Hugging Face Llama folder")
-    p.add_argument("--corpus", required=True, help="a corpus built with the model's tokenizer")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=2, help="windows per batch (default: %(default)s)")
-    p.add_argument("--batches", type=int, default=1, help="held-out batches of each source (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
-    p.add_argument("--out", default=None, help="JSON lines file: one row per linear, with the environment")
+    add_heldout_args(p, "JSON lines file: one row per linear, with the environment")
     args = p.parse_args(argv)
-    for name in ("seq_len", "batch_size", "batches"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    corpus = pretrained_corpus(p, args.init, args.corpus)
-    model = load_pretrained(p, args.init, corpus, args.seq_len)
-    env = environment("fprop_bias.py", sys.argv[1:] if argv is None else argv)
-    print_environment(env)
-    batches = [x for s in corpus.sources for x, _ in itertools.islice(
-        TokenBatches(corpus, "val", batch_size=args.batch_size, seq_len=args.seq_len, sources=[s]), args.batches)]
+    model, env, batches = heldout_setup(p, args, "fprop_bias.py", argv)
     xs = capture_linear_inputs(model, batches)
     weights = {f"layers.{n}": m.weight.detach().float() for n, m in model.layers.named_modules()
                if isinstance(m, torch.nn.Linear)}

@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
-from torch import nn
+from probe_layer import fwd_bwd, probe_layer
 
-from adahop import AdaHOPConfig, AdaHOPLinear
+from adahop import AdaHOPConfig
 from adahop.formats.mxfp4 import fake_quantize_mxfp4
 from adahop.layer.plan import layer_plan, numerics_key
 from adahop.mean_bias import add_mean_term, split_mean
@@ -26,21 +26,6 @@ def data(T=64, K=64, N=48, seed=0, offset=3.0):
     return x, w, g
 
 
-def layer(recipe, w, oe_k=8, **cfg):
-    lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
-    with torch.no_grad():
-        lin.weight.copy_(w)
-    config = AdaHOPConfig.from_recipe_name(recipe, backend="reference", **cfg).with_gemm_settings(oe_k=oe_k)
-    return AdaHOPLinear.from_float(lin, config=config, name="blk.fc")
-
-
-def fwd_bwd(lay, x, g):
-    xr = x.clone().requires_grad_(True)
-    y = lay(xr)
-    y.backward(g)
-    return y.detach(), xr.grad, lay.weight.grad
-
-
 def quantized(v, iht):
     return fake_quantize_mxfp4(block_hadamard(v, dim=-1) if iht else v, dim=-1)
 
@@ -52,7 +37,7 @@ def test_forward_is_the_formula(recipe):
     x, w, _ = data()
     iht = recipe == "mxfp4_iht"
     with torch.no_grad():
-        y = layer(recipe, w, fprop_mean_bias=True)(x)
+        y = probe_layer(recipe, w, fprop_mean_bias=True)(x)
     mu = x.mean(0, keepdim=True)
     want = quantized(x - mu, iht) @ quantized(w, iht).t() + mu @ w.t()
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
@@ -78,7 +63,7 @@ def test_oe_rows_and_columns_stay_exact():
     x, w, _ = data(T=64, K=64, N=48, seed=3)
     exact = x @ w.t()
     for mode in ("iht+oe_left", "iht+oe_right"):
-        lay = layer("adahop_lv2", w, fprop_mean_bias=True)
+        lay = probe_layer("adahop_lv2", w, fprop_mean_bias=True)
         lay.set_modes({"fprop": mode, "dgrad": "bf16", "wgrad": "bf16"})
         with torch.no_grad():
             y = lay(x)
@@ -92,15 +77,15 @@ def test_backward_is_unchanged(recipe):
     """dgrad and wgrad are the layer's GEMMs without the option, bit for bit (the same SR draws):
     the derivative of x W^T, which the split leaves as it is."""
     x, w, g = data(seed=1)
-    y0, dx0, dw0 = fwd_bwd(layer(recipe, w), x, g)
-    y1, dx1, dw1 = fwd_bwd(layer(recipe, w, fprop_mean_bias=True), x, g)
+    y0, dx0, dw0 = fwd_bwd(probe_layer(recipe, w), x, g)
+    y1, dx1, dw1 = fwd_bwd(probe_layer(recipe, w, fprop_mean_bias=True), x, g)
     assert not torch.equal(y0, y1)
     assert torch.equal(dx0, dx1) and torch.equal(dw0, dw1)
 
 
 def test_bf16_autocast_forward():
     x, w, g = data(seed=2)
-    lay = layer("mxfp4_iht", w, fprop_mean_bias=True)
+    lay = probe_layer("mxfp4_iht", w, fprop_mean_bias=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = lay(x)
     assert y.dtype == torch.bfloat16
@@ -158,12 +143,12 @@ def test_every_backend_runs_the_option(monkeypatch, backend):
     monkeypatch.setattr(plan, "get_backend", lambda name, device: impl)
     x, w, g = data(T=32, K=64, N=32, seed=4)
     with torch.no_grad():
-        y_on = layer("mxfp4_iht", w, fprop_mean_bias=True)(x)
+        y_on = probe_layer("mxfp4_iht", w, fprop_mean_bias=True)(x)
         mu, r = split_mean(x)
-        y_r = layer("mxfp4_iht", w)(r)  # the backend's GEMM of r, rounded as the option rounds it
+        y_r = probe_layer("mxfp4_iht", w)(r)  # the backend's GEMM of r, rounded as the option rounds it
     torch.testing.assert_close(y_on, add_mean_term(y_r, mu, w), rtol=0, atol=0)
-    _, dx0, dw0 = fwd_bwd(layer("mxfp4_iht", w), x, g)
-    _, dx1, dw1 = fwd_bwd(layer("mxfp4_iht", w, fprop_mean_bias=True), x, g)
+    _, dx0, dw0 = fwd_bwd(probe_layer("mxfp4_iht", w), x, g)
+    _, dx1, dw1 = fwd_bwd(probe_layer("mxfp4_iht", w, fprop_mean_bias=True), x, g)
     assert torch.equal(dx0, dx1) and torch.equal(dw0, dw1)
 
 

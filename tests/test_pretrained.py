@@ -591,22 +591,19 @@ def test_pretrained_forward_benchmark(corpus, tmp_path, capsys):
     lv2, mx = (json.loads(line) for line in out.read_text().splitlines()[-2:])
     assert lv2["label"] == "adahop_lv2 (*.wv fprop mxfp4) (*.wo fprop iht+oe_right)"
     # --fprop-mean-bias: the option in every converted layer, which moves the loss
-    assert bench.main(["--init", str(folder), "--corpus", str(corpus), "--recipes", "mxfp4", "--fprop-mean-bias",
-                       "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1", "--backend", "reference",
-                       "--device", "cpu", "--out", str(out)]) == 0
-    split = json.loads(out.read_text().splitlines()[-1])
+    def mxfp4_with(*flags):
+        assert bench.main(["--init", str(folder), "--corpus", str(corpus), "--recipes", "mxfp4", *flags,
+                           "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1", "--backend", "reference",
+                           "--device", "cpu", "--out", str(out)]) == 0
+        return json.loads(out.read_text().splitlines()[-1])
+
+    split = mxfp4_with("--fprop-mean-bias")
     assert split["label"] == "mxfp4 (fprop mean bias)" and split["settings"]["fprop_mean_bias"]
     assert split["heldout_loss"] != rows["mxfp4"]["heldout_loss"]
-    assert bench.main(["--init", str(folder), "--corpus", str(corpus), "--recipes", "mxfp4", "--fprop-unbias",
-                       "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1", "--backend", "reference",
-                       "--device", "cpu", "--out", str(out)]) == 0
-    scaled = json.loads(out.read_text().splitlines()[-1])
+    scaled = mxfp4_with("--fprop-unbias")
     assert scaled["label"] == "mxfp4 (fprop unbias)" and scaled["settings"]["fprop_unbias"]
     assert scaled["heldout_loss"] != rows["mxfp4"]["heldout_loss"]
-    assert bench.main(["--init", str(folder), "--corpus", str(corpus), "--recipes", "mxfp4", "--output-jitter", "0.5",
-                       "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1", "--backend", "reference",
-                       "--device", "cpu", "--out", str(out)]) == 0
-    jittered = json.loads(out.read_text().splitlines()[-1])
+    jittered = mxfp4_with("--output-jitter", "0.5")
     assert jittered["label"] == "mxfp4 (outputs x (1 +0.5))" and jittered["settings"]["output_jitter"] == 0.5
     assert jittered["heldout_loss"] != rows["mxfp4"]["heldout_loss"]
     assert lv2["settings"]["set_fprop"] == [["*.wv", "mxfp4"], ["*.wo", "iht+oe_right"]]

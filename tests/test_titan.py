@@ -75,22 +75,23 @@ def test_converter_refuses_an_unknown_recipe():
         AdaHOPConverter.Config(recipe="fp3").build()
 
 
-def test_bf16_recipe_matches_the_stock_model_bit_for_bit():
-    ref, model = build(), build("bf16")
+def against_stock(recipe):
+    """``(y, g, y_ref, g_ref)``: outputs and gradients of the model converted to ``recipe`` and of
+    the stock model, the same weights and batch."""
+    ref, model = build(), build(recipe)
     model.load_state_dict(ref.state_dict(), strict=True)
     tokens, positions = batch()
-    y_ref, g_ref = forward_backward(ref, tokens, positions)
-    y, g = forward_backward(model, tokens, positions)
+    return (*forward_backward(model, tokens, positions), *forward_backward(ref, tokens, positions))
+
+
+def test_bf16_recipe_matches_the_stock_model_bit_for_bit():
+    y, g, y_ref, g_ref = against_stock("bf16")
     assert torch.equal(y, y_ref)
     assert g.keys() == g_ref.keys() and all(torch.equal(g[k], g_ref[k]) for k in g)
 
 
 def test_mxfp4_recipe_is_close_to_the_stock_model():
-    ref, model = build(), build("mxfp4")
-    model.load_state_dict(ref.state_dict(), strict=True)
-    tokens, positions = batch()
-    y_ref, g_ref = forward_backward(ref, tokens, positions)
-    y, g = forward_backward(model, tokens, positions)
+    y, g, y_ref, g_ref = against_stock("mxfp4")
     assert not torch.equal(y, y_ref)  # the block GEMMs did run in MXFP4
     # MXFP4 (4-bit elements, a shared 8-bit scale per 32, stochastic rounding of the gradients)
     # in the 30 block GEMMs, the LM head in full precision; measured on two batches: 1.0% on the

@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
-from torch import nn
+from probe_layer import fwd_bwd, probe_layer
 
-from adahop import AdaHOPConfig, AdaHOPLinear
+from adahop import AdaHOPConfig
 from adahop.formats.mxfp4 import fake_quantize_mxfp4
 from adahop.layer.plan import layer_plan, numerics_key
 from adahop.ops.operand import OperandSpec
@@ -26,21 +26,6 @@ def data(T=128, K=128, N=64, seed=0):
     return x, w, g
 
 
-def layer(recipe, w, **cfg):
-    lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
-    with torch.no_grad():
-        lin.weight.copy_(w)
-    config = AdaHOPConfig.from_recipe_name(recipe, backend="reference", **cfg).with_gemm_settings(oe_k=8)
-    return AdaHOPLinear.from_float(lin, config=config, name="blk.fc")
-
-
-def fwd_bwd(lay, x, g):
-    xr = x.clone().requires_grad_(True)
-    y = lay(xr)
-    y.backward(g)
-    return y.detach(), xr.grad, lay.weight.grad
-
-
 def factors(v):
     """The formula: <v, v> / <Q(v), v> per row, in float64."""
     v = v.double()
@@ -53,7 +38,7 @@ def test_forward_is_the_formula(recipe):
     x, w, _ = data()
     iht = recipe == "mxfp4_iht"
     with torch.no_grad():
-        y = layer(recipe, w, fprop_unbias=True)(x)
+        y = probe_layer(recipe, w, fprop_unbias=True)(x)
     xv, wv = (block_hadamard(x, dim=-1), block_hadamard(w, dim=-1)) if iht else (x, w)
     plain = fake_quantize_mxfp4(xv, dim=-1).double() @ fake_quantize_mxfp4(wv, dim=-1).double().t()
     want = plain * factors(xv)[:, None] * factors(wv)[None, :]
@@ -71,7 +56,7 @@ def test_the_shrink_is_taken_away():
         return ((y.double() * exact).sum() / exact.pow(2).sum()).item() - 1
 
     with torch.no_grad():
-        plain, unbiased = layer("mxfp4", w)(x), layer("mxfp4", w, fprop_unbias=True)(x)
+        plain, unbiased = probe_layer("mxfp4", w)(x), probe_layer("mxfp4", w, fprop_unbias=True)(x)
     assert gain(plain) < -0.005
     assert abs(gain(unbiased)) < 0.2 * abs(gain(plain))
 
@@ -86,15 +71,15 @@ def test_rows_without_a_positive_denominator_keep_1():
 
 def test_backward_is_unchanged():
     x, w, g = data(seed=2)
-    y0, dx0, dw0 = fwd_bwd(layer("mxfp4_iht", w), x, g)
-    y1, dx1, dw1 = fwd_bwd(layer("mxfp4_iht", w, fprop_unbias=True), x, g)
+    y0, dx0, dw0 = fwd_bwd(probe_layer("mxfp4_iht", w), x, g)
+    y1, dx1, dw1 = fwd_bwd(probe_layer("mxfp4_iht", w, fprop_unbias=True), x, g)
     assert not torch.equal(y0, y1)
     assert torch.equal(dx0, dx1) and torch.equal(dw0, dw1)
 
 
 def test_oe_slices_stay_exact_and_the_options_compose():
     x, w, _ = data(T=64, K=64, N=48, seed=3)
-    lay = layer("adahop_lv2", w, fprop_unbias=True, fprop_mean_bias=True)
+    lay = probe_layer("adahop_lv2", w, fprop_unbias=True, fprop_mean_bias=True)
     lay.set_modes({"fprop": "iht+oe_left", "dgrad": "bf16", "wgrad": "bf16"})
     with torch.no_grad():
         y = lay(x)
@@ -106,7 +91,7 @@ def test_with_the_mean_split_off_the_factors_are_r_s():
     x, w, _ = data(T=64, K=64, N=48, seed=5)
     x = x + 3 * torch.randn(1, 64, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
-        y = layer("mxfp4_iht", w, fprop_unbias=True, fprop_mean_bias=True)(x)
+        y = probe_layer("mxfp4_iht", w, fprop_unbias=True, fprop_mean_bias=True)(x)
     mu = x.mean(0, keepdim=True)
     rv, wv = block_hadamard(x - mu, dim=-1), block_hadamard(w, dim=-1)
     plain = fake_quantize_mxfp4(rv, dim=-1).double() @ fake_quantize_mxfp4(wv, dim=-1).double().t()
