@@ -60,6 +60,9 @@ Per run:
 - with ``--row-bounds both``, each adahop recipe twice: the e4m3 operands' row exponents from
   bounds taken by PyTorch ops (``layer.bounds``: one pass, the library's default on hopper_fp8),
   then from the exact row maxima (two passes; ``--row-bounds off`` alone);
+- with ``--wgrad-input both``, each adahop recipe twice: wgrad's x packed by the forward and kept
+  (the library's default, ``AdaHOPConfig.wgrad_input``), then quantized by the backward from x,
+  which the compiled step recomputes instead of keeping (``--wgrad-input recompute`` alone);
 - with ``--profile-steps N``: device time per step over N steps after P1 (CUDA kernels from
   ``torch.profiler``; on the CPU, self CPU time per op), and the top kernels;
 - with ``--memory-snapshot`` (CUDA): the device memory of the next step, recorded with
@@ -124,7 +127,8 @@ def run_config(args, recipe: str, run_dir):
                  cudagraphs=args.cudagraphs, min_features=args.min_features,
                  eval_every=0, ckpt_every=0)
     cfg = dataclasses.replace(cfg, steps=max(cfg.steps, last_step(args)),
-                              adahop=cfg.adahop.replace(share_input=args.share_input != "off"))
+                              adahop=cfg.adahop.replace(share_input=args.share_input != "off",
+                                                        wgrad_input=args.wgrad_input))
     cfg.validate()  # a device this machine lacks, a backend it cannot run: one line
     window_phase(cfg, recipe, args.steps[0], last_step(args))
     if args.memory_snapshot:
@@ -301,7 +305,7 @@ def measure(args, recipe: str) -> dict:
             "calibration_steps": cfg.adahop.calibration_steps if cfg.adahop.adaptive else 0,
             "calibration_micro_batches": cfg.calibration_micro_batches, "min_features": cfg.min_features,
             "share_input": cfg.adahop.share_input,
-            "row_bounds": HopperFP8Backend.takes_row_bounds,
+            "row_bounds": HopperFP8Backend.takes_row_bounds, "wgrad_input": cfg.adahop.wgrad_input,
             "window": [p0, p1], "steady_tokens_per_s": tokens_per_step / s_per_step,
             "ms_per_step": 1e3 * s_per_step, "first_step_s": state["first_step_s"],
             "peak_memory_bytes": state["peak_bytes"], "steady_peak_memory_bytes": state["steady_peak_bytes"],
@@ -362,16 +366,19 @@ def profile_summary(prof, steps: int, cuda: bool) -> dict:
 
 
 # ---- the sequence of runs ----------------------------------------------------------------------------------
-def sequence(recipes: list[str], share_input: str = "on", row_bounds: str = "on") -> list[tuple[str, str, str]]:
-    """(recipe, --share-input, --row-bounds) of each run: bf16, the other recipes in order (with
-    ``both``, each adahop recipe with x quantized once per group, then per layer; with bounds, then
-    without; a torchao peer once), bf16."""
+def sequence(recipes: list[str], share_input: str = "on", row_bounds: str = "on",
+             wgrad_input: str = "packed") -> list[tuple[str, str, str, str]]:
+    """(recipe, --share-input, --row-bounds, --wgrad-input) of each run: bf16, the other recipes in
+    order (with ``both``, each adahop recipe with x quantized once per group, then per layer; with
+    bounds, then without; x packed, then recomputed; a torchao peer once), bf16."""
     shares = ("on", "off") if share_input == "both" else (share_input,)
     bounds = ("on", "off") if row_bounds == "both" else (row_bounds,)
-    adahop = [(s, b) for s in shares for b in bounds]
-    return [("bf16", "off", "on"),
-            *[(r, s, b) for r in recipes if r != "bf16" for s, b in ([("off", "on")] if r in PEERS else adahop)],
-            ("bf16", "off", "on")]
+    inputs = ("packed", "recompute") if wgrad_input == "both" else (wgrad_input,)
+    adahop = [(s, b, w) for s in shares for b in bounds for w in inputs]
+    plain = ("off", "on", "packed")
+    return [("bf16", *plain),
+            *[(r, *setting) for r in recipes if r != "bf16" for setting in ([plain] if r in PEERS else adahop)],
+            ("bf16", *plain)]
 
 
 def run_worker(argv: list[str], recipe: str, timeout: float | None) -> dict:
@@ -404,6 +411,8 @@ def run_name(r: dict) -> str:
         name += " (x shared)"
     if r.get("row_bounds") is False and r["recipe"] != "bf16":
         name += " (exact row maxima)"
+    if r.get("wgrad_input") == "recompute" and r["recipe"] != "bf16":
+        name += " (wgrad's x recomputed)"
     if r.get("window_phase") == "in":
         name += ", in its BF16 phase"
     elif r.get("window_phase") == "before":
@@ -477,6 +486,10 @@ def parse_args(argv=None):
     g.add_argument("--row-bounds", choices=("on", "off", "both"), default="on",
                    help="hopper_fp8's e4m3 operands with row exponents from bounds (on: the library's default), "
                         "from the exact row maxima (off), or each adahop recipe both ways (default: %(default)s)")
+    g.add_argument("--wgrad-input", choices=("packed", "recompute", "both"), default="packed",
+                   help="what a quantized wgrad reads of x (AdaHOPConfig.wgrad_input): packed by the forward (the "
+                        "library's default), quantized by the backward (recompute), or each adahop recipe both ways "
+                        "(default: %(default)s)")
     g.add_argument("--share-input", choices=("on", "off", "both"), default="on",
                    help="layers that read one activation quantize it once (on: the library's default), per layer "
                         "(off), or each recipe runs both ways (both) (default: %(default)s)")
@@ -560,7 +573,7 @@ def main(argv=None) -> int:
         for folder in (args.run_dir, args.memory_pickle_dir):
             if folder:
                 Path(folder).mkdir(parents=True, exist_ok=True)
-        for recipe in dict.fromkeys(r for r, _, _ in sequence(args.recipes, args.share_input)):
+        for recipe in dict.fromkeys(r for r, *_ in sequence(args.recipes, args.share_input)):
             run_config(args, recipe, args.run_dir or tempfile.gettempdir())
         if any(r in PEERS for r in args.recipes):
             from adahop.train.trainer import resolve_device
@@ -575,11 +588,11 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     call = uuid.uuid4().hex[:12]  # the runs of one call share it (their ratios belong together)
     rows = []
-    for i, (recipe, share_input, row_bounds) in enumerate(sequence(args.recipes, args.share_input,
-                                                                   args.row_bounds), 1):
+    for i, (recipe, share_input, row_bounds, wgrad_input) in enumerate(
+            sequence(args.recipes, args.share_input, args.row_bounds, args.wgrad_input), 1):
         print(f"[{i}] {recipe} ...", flush=True)
-        row = {**run_worker([*argv, "--share-input", share_input, "--row-bounds", row_bounds], recipe, args.timeout),
-               "call": call, "run": i}
+        settings = ["--share-input", share_input, "--row-bounds", row_bounds, "--wgrad-input", wgrad_input]
+        row = {**run_worker([*argv, *settings], recipe, args.timeout), "call": call, "run": i}
         rows.append(row)
         with out.open("a") as f:
             f.write(json.dumps({"benchmark": "bench_train_speed", **row, "env": env}) + "\n")

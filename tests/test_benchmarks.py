@@ -559,13 +559,17 @@ def test_bench_train_speed_sequence_and_table_with_peers():
     ts = script("bench_train_speed")
     args = ts.parse_args(["--recipes", "torchao_float8_tensorwise", "torchao_float8_rowwise", "mxfp4",
                           "adahop_lv2_tail", "--share-input", "both"])
+    plain = ("off", "on", "packed")
     assert ts.sequence(args.recipes, args.share_input) == [
-        ("bf16", "off", "on"), ("torchao_float8_tensorwise", "off", "on"), ("torchao_float8_rowwise", "off", "on"),
-        ("mxfp4", "on", "on"), ("mxfp4", "off", "on"), ("adahop_lv2_tail", "on", "on"),
-        ("adahop_lv2_tail", "off", "on"), ("bf16", "off", "on")]
+        ("bf16", *plain), ("torchao_float8_tensorwise", *plain), ("torchao_float8_rowwise", *plain),
+        ("mxfp4", "on", "on", "packed"), ("mxfp4", "off", "on", "packed"), ("adahop_lv2_tail", "on", "on", "packed"),
+        ("adahop_lv2_tail", "off", "on", "packed"), ("bf16", *plain)]
     assert ts.sequence(["torchao_float8_tensorwise", "adahop_lv2"], "on", "both") == [
-        ("bf16", "off", "on"), ("torchao_float8_tensorwise", "off", "on"), ("adahop_lv2", "on", "on"),
-        ("adahop_lv2", "on", "off"), ("bf16", "off", "on")]
+        ("bf16", *plain), ("torchao_float8_tensorwise", *plain), ("adahop_lv2", "on", "on", "packed"),
+        ("adahop_lv2", "on", "off", "packed"), ("bf16", *plain)]
+    assert ts.sequence(["adahop_lv2"], "on", "on", "both") == [
+        ("bf16", *plain), ("adahop_lv2", "on", "on", "packed"), ("adahop_lv2", "on", "on", "recompute"),
+        ("bf16", *plain)]
 
     def row(recipe, tps, peak_gib, **kw):
         return {"recipe": recipe, "steady_tokens_per_s": tps, "ms_per_step": 1.0, "first_step_s": 1.0,
@@ -575,7 +579,8 @@ def test_bench_train_speed_sequence_and_table_with_peers():
                      row("torchao_float8_rowwise", 960, 44.4, torchao="0.17.0"),
                      row("adahop_lv2", 990, 52.5, share_input=True),
                      row("adahop_lv2_tail", 1100, 54, share_input=True, window_phase="in"), row("bf16", 1000, 60),
-                     row("adahop_lv2", 950, 52.5, share_input=True, row_bounds=False)])
+                     row("adahop_lv2", 950, 52.5, share_input=True, row_bounds=False),
+                     row("adahop_lv2", 940, 45.0, share_input=True, wgrad_input="recompute")])
     assert "| vs bf16 (first) | vs bf16 (last) | vs torchao tensorwise |" in text
     assert "| peak memory | steady peak memory | peak vs bf16 |" in text
     lines = text.splitlines()
@@ -585,7 +590,8 @@ def test_bench_train_speed_sequence_and_table_with_peers():
     assert "| 0.875 |" in lines[5]
     assert lines[6].startswith("| 5 | adahop_lv2_tail (x shared), in its BF16 phase | 1100 |")
     assert lines[8].startswith("| 7 | adahop_lv2 (x shared) (exact row maxima) | 950 |")
-    assert all(line.count("|") == 14 for line in lines[:9])
+    assert lines[9].startswith("| 8 | adahop_lv2 (x shared) (wgrad's x recomputed) | 940 |")
+    assert all(line.count("|") == 14 for line in lines[:10])
 
 
 def test_bench_train_speed_times_adahop_lv2_tail_before_or_in_its_phase(corpus, tmp_path, capsys):

@@ -308,8 +308,8 @@ def test_no_input_bound_where_fprop_splits_the_mean(monkeypatch):
     plain = adahop.AdaHOPLinear.from_float(nn.Linear(64, 32, bias=False), config=cfg, name="a")
     split = adahop.AdaHOPLinear.from_float(nn.Linear(64, 32, bias=False), config=cfg.replace(fprop_mean_bias=True),
                                            name="b")
-    assert bounds_wanted(plain.numerics, "cpu") == (True, True, True)
-    assert bounds_wanted(split.numerics, "cpu") == (False, True, True)
+    assert bounds_wanted(plain.numerics, "cpu") == (True, True, True, False)
+    assert bounds_wanted(split.numerics, "cpu") == (False, True, True, False)
 
 
 def test_a_group_on_one_input_takes_its_bound_once(monkeypatch):

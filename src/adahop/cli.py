@@ -61,7 +61,7 @@ def train_config(args):
                  model_size=args.model_size, device=args.device, init=_init_arg(args.init),
                  seq_len=args.seq_len, oe_k=args.oe_k, calibration_steps=args.calibration_steps,
                  calibration_gemms=args.calibration_gemms, calibration_micro_batches=args.calibration_micro_batches,
-                 dgrad_weight=args.dgrad_weight, value_fprop=args.value_fprop,
+                 dgrad_weight=args.dgrad_weight, value_fprop=args.value_fprop, wgrad_input=args.wgrad_input,
                  oscillation_dampening=args.oscillation_dampening,
                  backend=args.backend, progress=not args.no_progress, compile=args.compile,
                  cudagraphs=args.cudagraphs or None,
@@ -362,7 +362,7 @@ def _bf16_phase(text: str) -> tuple[float, tuple[str, ...]]:
 
 
 def _add_train_args(p):
-    from adahop.config import BACKEND_CHOICES, DGRAD_WEIGHTS
+    from adahop.config import BACKEND_CHOICES, DGRAD_WEIGHTS, WGRAD_INPUTS
     from adahop.llama.model import SIZES
     from adahop.policy import GEMM_MODES
     from adahop.recipes import DEFAULT_RECIPE, RECIPE_NAMES, SCHEDULED_RECIPES
@@ -405,6 +405,11 @@ def _add_train_args(p):
     g.add_argument("--dgrad-weight", choices=DGRAD_WEIGHTS, default=None,
                    help="the weight dgrad multiplies by: master (the layer's own, quantized on its own; the "
                         "default) or forward (the forward GEMM's quantized weight: one quantized W in both)")
+    g.add_argument("--wgrad-input", choices=WGRAD_INPUTS, default=None,
+                   help="what a quantized weight gradient reads of x: packed (x quantized along the tokens by the "
+                        "forward and kept, 4.25 bits a value; the default) or recompute (x quantized by the "
+                        "backward: compiled, the forward keeps nothing of x that its producer does not keep "
+                        "anyway; the same bits)")
     g.add_argument("--value-fprop", choices=GEMM_MODES, default=None, metavar="MODE",
                    help="the forward GEMM's mode in attention's value projections (wv, v_proj), in place of the "
                         f"policy's or the recipe's: one of {', '.join(GEMM_MODES)} (mxfp4: no Hadamard there, "

@@ -58,6 +58,11 @@ CALIBRATION_GEMMS = ("bf16", "iht")
 # "master", the layer's weight quantized on its own (the paper), or "forward", the weight the
 # forward GEMM multiplied by.
 DGRAD_WEIGHTS = ("master", "forward")
+# Where a quantized wgrad's x comes from (docs/method.md, 'What the forward keeps for wgrad'):
+# "packed", x quantized along the tokens in the forward and saved (4.25 bits a value); or
+# "recompute", x itself kept and quantized in the backward, which a compiled model need not keep
+# at all (the partitioner recomputes x from what its producer keeps). The same bits either way.
+WGRAD_INPUTS = ("packed", "recompute")
 # The names (last component) of attention's value projections: adahop's Llama and Hugging Face's.
 VALUE_PROJECTIONS = ("wv", "v_proj")
 
@@ -157,6 +162,14 @@ class AdaHOPConfig:
     # nearest's shrink toward zero (``adahop.unbias``, which gives the numerics; the backward is
     # unchanged). Computed with the reference quantization on any backend: an experiment.
     fprop_unbias: bool = False
+    # What a quantized wgrad reads of x (``WGRAD_INPUTS``): "packed", x quantized along the
+    # tokens by the forward and saved; "recompute", x itself, quantized in the backward. The
+    # second keeps nothing 4-bit from the forward: eager, autograd keeps x (bfloat16, more than
+    # the packed form); under ``torch.compile`` the partitioner rematerializes x in the backward
+    # from what its producer keeps anyway (RMSNorm's input, SwiGLU's two halves, attention's
+    # output), so the layer's saved activation is gone, at the price of that recomputation and a
+    # quantization pass over x in the backward.
+    wgrad_input: str = "packed"
 
     def __post_init__(self):
         for gemm in GEMMS:
@@ -167,6 +180,7 @@ class AdaHOPConfig:
         check_choice("backend", self.backend, backend_choices())
         check_choice("calibration_gemms", self.calibration_gemms, CALIBRATION_GEMMS)
         check_choice("dgrad_weight", self.dgrad_weight, DGRAD_WEIGHTS)
+        check_choice("wgrad_input", self.wgrad_input, WGRAD_INPUTS)
         if self.dgrad_weight == "forward":
             if self.fprop.b_rounding != "rne":
                 raise ValueError("dgrad_weight 'forward' recomputes the forward's weight in the backward: "

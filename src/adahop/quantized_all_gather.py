@@ -331,7 +331,8 @@ class GatheredFpropWeight(torch.Tensor):
         if func is torch.ops.adahop.linear_backward.default:
             numerics = args[8]
             w.check(numerics, args[0].dtype, "an AdaHOP layer's backward")
-            return run_backward(args[0], w.operand, *args[2:11], dw_dtype=w.dtype, g_bounds=tuple(args[11:13]))
+            return run_backward(args[0], w.operand, *args[2:11], dw_dtype=w.dtype, g_bounds=tuple(args[11:13]),
+                                x_col_bound=args[13])
         raise NotImplementedError(f"{func}: a weight gathered in MXFP4 (FSDP2's quantized all-gather) is read only "
                                   "by its AdaHOP layer's GEMMs")
 

@@ -34,17 +34,19 @@ def magnitude_bound(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 @torch.compiler.assume_constant_result
-def bounds_wanted(numerics: str, device: str) -> tuple[bool, bool, bool]:
-    """Whether fprop's, dgrad's and wgrad's A (x along K, g along N, g along T) take a row bound
-    under a numerics key (``layer.plan.numerics_key``): the GEMM is quantized and its backend, as it
-    resolves on ``device`` (where ``layer.plan`` resolves it for the call), takes bounds. A constant
-    for ``torch.compile``: Dynamo runs it once per key and device instead of tracing the key's JSON
-    parsing and the device query of ``auto``."""
+def bounds_wanted(numerics: str, device: str) -> tuple[bool, bool, bool, bool]:
+    """Whether fprop's, dgrad's and wgrad's A (x along K, g along N, g along T) and wgrad's B
+    where the backward quantizes x (x along T, ``AdaHOPConfig.wgrad_input`` "recompute") take a
+    row bound under a numerics key (``layer.plan.numerics_key``): the GEMM is quantized and its
+    backend, as it resolves on ``device`` (where ``layer.plan`` resolves it for the call), takes
+    bounds. A constant for ``torch.compile``: Dynamo runs it once per key and device instead of
+    tracing the key's JSON parsing and the device query of ``auto``."""
     backend_name, gemms, _ = numerics_templates(numerics)
     takes = bool(getattr(plan.get_backend(backend_name, torch.device(device)), "takes_row_bounds", False))
     wanted = [takes and g.quantized for g in gemms]
     if plan.numerics_fprop_mean_bias(numerics):  # fprop quantizes x less its mean, which x's bound does not bound
         wanted[0] = False
+    wanted.append(wanted[2] and plan.numerics_wgrad_input(numerics) == "recompute")
     return tuple(wanted)
 
 
@@ -61,11 +63,30 @@ def gradient_bounds(g_TN: torch.Tensor, numerics: str, needs_dx: bool, needs_dw:
     (``adahop::row_col_magnitudes``) where both are wanted: compiled, Inductor could fuse the
     rows' maxima into g's producer, but the columns' are a reduction of their own, a read of g
     either way."""
-    _, dgrad, wgrad = bounds_wanted(numerics, str(g_TN.device))
+    _, dgrad, wgrad, _ = bounds_wanted(numerics, str(g_TN.device))
     rows, cols = dgrad and needs_dx, wgrad and needs_dw
     if rows and cols:
         return tuple(torch.ops.adahop.row_col_magnitudes(g_TN.detach()))
     return (magnitude_bound(g_TN, 1) if rows else None, magnitude_bound(g_TN, 0) if cols else None)
+
+
+def recomputable(x_TK: torch.Tensor) -> torch.Tensor:
+    """x as the backward reads it where it quantizes x (``AdaHOPConfig.wgrad_input``
+    "recompute"): compiled, a copy; eager, x itself (a copy would cost a pass over x).
+
+    AOTAutograd's min-cut partitioner never recomputes a tensor that the backward reads through
+    an op it cannot fuse, such as the layer's backward op: it would save x. Read through a copy
+    (an op it fuses), the forward's x may be recomputed from what its producer keeps (a norm's
+    input, SwiGLU's halves), and the copy is what the recomputing kernel writes, at no extra pass."""
+    return x_TK.clone() if torch.compiler.is_compiling() else x_TK
+
+
+def wgrad_input_bound(x_TK: torch.Tensor, numerics: str, needs_dw: bool) -> torch.Tensor | None:
+    """The bound wgrad's B takes where the backward quantizes x (``AdaHOPConfig.wgrad_input``
+    "recompute": x along T, whose rows are x's columns), or None: wgrad BF16 or not run, x packed
+    by the forward, or a backend that takes none. Compiled, the maximum over the tokens can come
+    out of the kernel that recomputes x."""
+    return magnitude_bound(x_TK, 0) if needs_dw and bounds_wanted(numerics, str(x_TK.device))[3] else None
 
 
 @torch.library.custom_op("adahop::row_col_magnitudes", mutates_args=())

@@ -62,9 +62,10 @@ def mxfp4_gemm(plan: GemmPlan, backend, a, a_dim, b, b_dim, *, a_hp=None, b_hp=N
     if a_q is None:
         bound = {} if a_bound is None else {"row_bound": a_bound}
         a_q = backend.quantize(a, a_dim, plan.a, zero_outer=rows_idx, **bound)
-    # B may be the packed operand the forward saved (wgrad's x); mm_nt takes it as it is.
-    b_q = b if isinstance(b, MXFP4Tensor) else backend.quantize(b, b_dim, plan.b, zero_outer=cols_idx,
-                                                                cast_to=b_cast_to)
+    # B may be quantized already (wgrad's x: packed by the forward, or in the GEMM's form by the
+    # backward); mm_nt takes it as it is.
+    b_q = b if not isinstance(b, torch.Tensor) else backend.quantize(b, b_dim, plan.b, zero_outer=cols_idx,
+                                                                     cast_to=b_cast_to)
     c = backend.mm_nt(a_q, b_q, out_dtype)
     if unbias:  # (OE's zeroed slices: their factors scale zeros, and the slices are written below)
         b_t = b if b_cast_to is None else b.to(b_cast_to)
@@ -170,7 +171,8 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_q
     if x_quantized is not None:
         x_fprop, x_saved, x_col_norms = x_quantized
         assert not (mean_bias and x_fprop is not None), "x quantized ahead reaches a mean-split fprop"
-    elif fp.quantized and wg.quantized and plan.needs_backward and backend.has_quantize_and_pack and not mean_bias:
+    elif (fp.quantized and wg.quantized and plan.needs_backward and backend.has_quantize_and_pack and not mean_bias
+          and plan.wgrad_input == "packed"):
         # x is A of fprop (along K) and B of wgrad (along T, packed, saved): one call
         # quantizes both orientations (one kernel from the same reads where that is faster),
         # and gives the column norms that wgrad's OE-right ranks.
@@ -203,11 +205,12 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_q
             y_TN = add_mean_term(y_TN, mu_1K, w_NK)
         x_fprop = a_TK = None  # freed
 
-    # What wgrad (dw_NK = g^T x) needs of x: x quantized along T, or (wgrad in bf16) x itself,
-    # which the autograd context saves from the op's input; nothing when no backward will run
-    # (evaluation would otherwise pay a quantization pass per layer).
+    # What wgrad (dw_NK = g^T x) needs of x: x quantized along T, or (wgrad in bf16, or
+    # ``wgrad_input`` "recompute": the backward quantizes it) x itself, which the autograd context
+    # saves from the op's input; nothing when no backward will run (evaluation would otherwise pay
+    # a quantization pass per layer).
     x_q = cols_hp = cols_idx = None
-    if plan.needs_backward and wg.quantized:
+    if plan.needs_backward and wg.quantized and plan.wgrad_input == "packed":
         if wg.mode == "iht+oe_right":  # OE on B = x's columns (input features)
             cols_idx = backend.select_outer(x_TK, WGRAD.b.outer_dim, wg.oe_k, norms=x_col_norms)
         x_q = x_saved if x_saved is not None else backend.quantize_packed(x_TK, WGRAD.b.dim, wg.b,
@@ -219,12 +222,14 @@ def forward_gemms(x_TK: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, x_q
 
 def backward_gemms(g_TN: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, *, needs_dx: bool, needs_dw: bool,
                    x_TK=None, x_q=None, cols_hp=None, cols_idx=None, dw_dtype: torch.dtype | None = None,
-                   g_bounds: tuple = (None, None)):
-    """dgrad and wgrad. ``x_TK``: the activation (wgrad in bf16); ``x_q``, ``cols_hp``,
-    ``cols_idx``: what ``forward_gemms`` returned (wgrad quantized). ``weight`` as in
+                   g_bounds: tuple = (None, None), x_col_bound: torch.Tensor | None = None):
+    """dgrad and wgrad. ``x_TK``: the activation (wgrad in bf16, or ``plan.wgrad_input``
+    "recompute": quantized here as the forward would have); ``x_q``, ``cols_hp``, ``cols_idx``:
+    what ``forward_gemms`` returned (wgrad quantized, x packed). ``weight`` as in
     ``forward_weight``; ``dw_dtype``: the weight's dtype where ``weight`` is quantized;
-    ``g_bounds``: bounds on the magnitudes of g's rows and columns (``layer.bounds``), each None
-    where the backend takes none. Returns ``(dx_TK, dw_NK)``, None where not asked."""
+    ``g_bounds``: bounds on the magnitudes of g's rows and columns, ``x_col_bound`` on x's
+    columns (wgrad's B rows, where x is quantized here) (``layer.bounds``), each None where the
+    backend takes none. Returns ``(dx_TK, dw_NK)``, None where not asked."""
     g_row_bound, g_col_bound = g_bounds
     backend = plan.backend
     g_TN = g_TN.contiguous()
@@ -268,6 +273,15 @@ def backward_gemms(g_TN: torch.Tensor, weight: torch.Tensor, plan: LayerPlan, *,
         if not wg.quantized:
             dw_NK = g_TN.t() @ x_TK
         else:
+            if plan.wgrad_input == "recompute":
+                # x quantized along T as the forward would have packed it (the same columns for
+                # OE-right, chosen from x's column norms; RNE or its SR stream: the same bits), in
+                # the backend's GEMM form: nothing packed to unpack.
+                if wg.mode == "iht+oe_right":
+                    cols_idx = backend.select_outer(x_TK, WGRAD.b.outer_dim, wg.oe_k)
+                    cols_hp = x_TK[:, cols_idx].contiguous()
+                bound = {} if x_col_bound is None else {"row_bound": x_col_bound}
+                x_q = backend.quantize(x_TK, WGRAD.b.dim, wg.b, zero_outer=cols_idx, **bound)
             # OE-left of wgrad (rows of g^T) needs x in high precision: the policy never
             # asks for it (check_modes refuses it). The MXFP4 GEMM writes dw in the
             # parameter's dtype (float32 master weights under autocast): its fp32

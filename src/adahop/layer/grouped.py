@@ -16,10 +16,11 @@ import functools
 import torch
 
 from adahop.gemm_geometry import FPROP, WGRAD
-from adahop.layer.bounds import gradient_bounds
+from adahop.layer.bounds import gradient_bounds, recomputable, wgrad_input_bound
 from adahop.layer.gemms import forward_gemms
 from adahop.layer.ops import empty_output, forward_fake
-from adahop.layer.plan import GemmPlan, LayerPlan, layer_plan, numerics_fprop_mean_bias, numerics_templates
+from adahop.layer.plan import (GemmPlan, LayerPlan, layer_plan, numerics_fprop_mean_bias, numerics_templates,
+                               numerics_wgrad_input)
 
 
 def _input_specs(fprop: GemmPlan, wgrad: GemmPlan, needs_backward: bool):
@@ -154,8 +155,10 @@ def _group_setup_context(ctx, inputs, output):
         src = owners[i] if owners[i] >= 0 else i  # whose outputs hold the x this layer's wgrad reads
         codes, scales = output[5 * src + 1], output[5 * src + 2]
         _, _, _, cols_hp, cols_idx = output[5 * i: 5 * i + 5]
-        # no packed x (wgrad in BF16, or no backward): wgrad reads x itself
-        saved += [weight, x if codes.numel() == 0 else None, codes, scales, cols_hp, cols_idx, rng_state]
+        # no packed x (wgrad in BF16 or quantized in the backward, or no backward): wgrad reads x itself
+        # (the first copy for every layer: the same values, and one tensor kept where the copies
+        # would be several)
+        saved += [weight, xs[0] if codes.numel() == 0 else None, codes, scales, cols_hp, cols_idx, rng_state]
         non_differentiable += output[5 * i + 1: 5 * i + 5]
     ctx.save_for_backward(*saved)
     ctx.mark_non_differentiable(*non_differentiable)
@@ -167,15 +170,21 @@ def _group_backward(ctx, grads):
     saved, n = ctx.saved_tensors, len(ctx.keys)
     needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     dxs, dws = [None] * n, [None] * n
+    x_read = None  # (the layers keep one x, xs[0]: read through one copy where compiled)
     for i, numerics in enumerate(ctx.keys):
         weight, x, codes, scales, cols_hp, cols_idx, rng_state = saved[7 * i: 7 * i + 7]
         if not (needs_dx[i] or needs_dw[i]):
             continue
         if x is None:
             x = empty_output(grads[5 * i], ctx.x_dtype)
+        elif needs_dw[i] and numerics_wgrad_input(numerics) == "recompute":
+            x_read = recomputable(x) if x_read is None else x_read
+            x = x_read
         row_bound, col_bound = gradient_bounds(grads[5 * i], numerics, needs_dx[i], needs_dw[i])
+        x_col_bound = wgrad_input_bound(x, numerics, needs_dw[i])
         dx, dw = torch.ops.adahop.linear_backward(grads[5 * i], weight, x, codes, scales, cols_hp, cols_idx,
-                                                  rng_state, numerics, needs_dx[i], needs_dw[i], row_bound, col_bound)
+                                                  rng_state, numerics, needs_dx[i], needs_dw[i], row_bound, col_bound,
+                                                  x_col_bound)
         dxs[i], dws[i] = (dx if needs_dx[i] else None), (dw if needs_dw[i] else None)
     return dxs, dws, [None] * n, None, None, None, None
 

@@ -28,17 +28,18 @@ import torch
 
 from adahop.formats.mxfp4 import MXFP4Tensor
 from adahop.gemm_geometry import WGRAD
-from adahop.layer.bounds import gradient_bounds
+from adahop.layer.bounds import gradient_bounds, recomputable, wgrad_input_bound
 from adahop.layer.gemms import backward_gemms, forward_gemms
-from adahop.layer.plan import layer_plan, numerics_templates
+from adahop.layer.plan import layer_plan, numerics_templates, numerics_wgrad_input
 
 
 def _saved_shapes(numerics: str, T: int, K: int, needs_backward: bool):
     """Shapes of what ``linear_forward`` returns for wgrad: x's packed codes and scale bytes
     (x quantized along T: [K, TP / 2] and [K, TP / block], TP = T padded to the operand's
-    alignment) and the OE columns ([T, k], [k]); None for each that is not returned."""
+    alignment) and the OE columns ([T, k], [k]); None for each that is not returned (with
+    ``wgrad_input`` "recompute": none, the backward quantizes x)."""
     _, (_, _, wg), _ = numerics_templates(numerics)
-    if not (needs_backward and wg.quantized):
+    if not (needs_backward and wg.quantized and numerics_wgrad_input(numerics) == "packed"):
         return None, None, None
     TP = wg.b.padded(T)
     k = min(wg.oe_k, K) if wg.mode == "iht+oe_right" else None
@@ -92,35 +93,38 @@ def forward_fake(x, weight, numerics, needs_backward):
 def linear_backward(g: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, x_codes: torch.Tensor,
                     x_scales: torch.Tensor, cols_hp: torch.Tensor, cols_idx: torch.Tensor, rng_state: torch.Tensor,
                     numerics: str, needs_dx: bool, needs_dw: bool, g_row_bound: torch.Tensor | None,
-                    g_col_bound: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                    g_col_bound: torch.Tensor | None, x_col_bound: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """dgrad and wgrad of one layer call: ``(dx, dw)``, each empty where not asked. ``x``: the
-    activation where wgrad runs in bf16 (else empty); the others as ``linear_forward`` returned
-    them; ``g_row_bound`` / ``g_col_bound``: bounds on the magnitudes of g's rows / columns
-    (``layer.bounds.gradient_bounds``), None where the backend takes none."""
+    activation where wgrad runs in bf16 or quantizes it here (``wgrad_input`` "recompute"), else
+    empty; the others as ``linear_forward`` returned them; ``g_row_bound`` / ``g_col_bound``:
+    bounds on the magnitudes of g's rows / columns (``layer.bounds.gradient_bounds``),
+    ``x_col_bound`` on x's columns where x is quantized here (``layer.bounds.wgrad_input_bound``),
+    None where the backend takes none."""
     return run_backward(g, weight, x, x_codes, x_scales, cols_hp, cols_idx, rng_state, numerics, needs_dx, needs_dw,
-                        g_bounds=(g_row_bound, g_col_bound))
+                        g_bounds=(g_row_bound, g_col_bound), x_col_bound=x_col_bound)
 
 
 def run_backward(g, weight, x, x_codes, x_scales, cols_hp, cols_idx, rng_state, numerics, needs_dx, needs_dw,
-                 dw_dtype=None, g_bounds=(None, None)):
+                 dw_dtype=None, g_bounds=(None, None), x_col_bound=None):
     """``linear_backward``'s implementation; ``weight`` as in ``run_forward`` (``dw_dtype``: the
     weight's dtype where it is quantized)."""
     dw_dtype = dw_dtype or weight.dtype
     plan = layer_plan(numerics, rng_state, g.device, True)
     T, K = g.shape[0], weight.shape[1]
     x_q = None
-    if plan.wgrad.quantized and needs_dw:
+    if plan.wgrad.quantized and needs_dw and plan.wgrad_input == "packed":
         x_q = MXFP4Tensor(x_codes, x_scales, torch.Size((T, K)), WGRAD.b.dim, plan.wgrad.b.block_size)
     has_cols = plan.wgrad.mode == "iht+oe_right"
     dx, dw = backward_gemms(g, weight, plan, needs_dx=needs_dx, needs_dw=needs_dw, x_TK=x, x_q=x_q,
                             cols_hp=cols_hp if has_cols else None, cols_idx=cols_idx if has_cols else None,
-                            dw_dtype=dw_dtype, g_bounds=g_bounds)
+                            dw_dtype=dw_dtype, g_bounds=g_bounds, x_col_bound=x_col_bound)
     return (empty_output(g, g.dtype) if dx is None else dx, empty_output(g, dw_dtype) if dw is None else dw)
 
 
 @linear_backward.register_fake
 def _(g, weight, x, x_codes, x_scales, cols_hp, cols_idx, rng_state, numerics, needs_dx, needs_dw,
-      g_row_bound, g_col_bound):
+      g_row_bound, g_col_bound, x_col_bound):
     T, (N, K) = g.shape[0], weight.shape
     return (g.new_empty((T, K)) if needs_dx else empty_output(g, g.dtype),
             g.new_empty((N, K), dtype=weight.dtype) if needs_dw else empty_output(g, weight.dtype))
@@ -130,8 +134,10 @@ def _setup_context(ctx, inputs, output):
     x, weight, rng_state, numerics, needs_backward, _x_bound = inputs
     _, codes, scales, cols_hp, cols_idx = output
     _, (_, _, wg), _ = numerics_templates(numerics)
-    # wgrad in bf16 keeps x itself; a quantized wgrad keeps x's packed form (the saving).
-    ctx.save_for_backward(weight, x if not wg.quantized else None, codes, scales, cols_hp, cols_idx, rng_state)
+    # wgrad in bf16 keeps x itself; a quantized wgrad keeps x's packed form (the saving), or x
+    # itself where the backward quantizes it (wgrad_input "recompute").
+    keeps_x = not wg.quantized or numerics_wgrad_input(numerics) == "recompute"
+    ctx.save_for_backward(weight, x if keeps_x else None, codes, scales, cols_hp, cols_idx, rng_state)
     ctx.numerics = numerics
     ctx.x_dtype = x.dtype
     ctx.mark_non_differentiable(codes, scales, cols_hp, cols_idx)
@@ -142,9 +148,12 @@ def _backward(ctx, grad_y, *_unused):
     needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if x is None:
         x = empty_output(grad_y, ctx.x_dtype)
+    elif needs_dw and numerics_wgrad_input(ctx.numerics) == "recompute":
+        x = recomputable(x)
     row_bound, col_bound = gradient_bounds(grad_y, ctx.numerics, needs_dx, needs_dw)
+    x_col_bound = wgrad_input_bound(x, ctx.numerics, needs_dw)
     dx, dw = torch.ops.adahop.linear_backward(grad_y, weight, x, codes, scales, cols_hp, cols_idx, rng_state,
-                                              ctx.numerics, needs_dx, needs_dw, row_bound, col_bound)
+                                              ctx.numerics, needs_dx, needs_dw, row_bound, col_bound, x_col_bound)
     return (dx if needs_dx else None, dw if needs_dw else None, None, None, None, None)
 
 

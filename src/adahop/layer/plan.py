@@ -4,8 +4,8 @@ and which backend runs them.
 ``numerics_key`` writes a layer's settings as one string, the ``numerics`` argument of the custom
 ops (``layer.ops``): for each GEMM its mode and how each operand is quantized (block, scale mode,
 rounding, Hadamard size, random-sign seed, OE k), which weight dgrad multiplies by, the backend
-name, and (only where they are on) ``fprop_mean_bias`` and ``fprop_unbias``. Layers with the same settings share it (and
-the compiled code). ``layer_plan`` turns a key and
+name, (only where they are on) ``fprop_mean_bias`` and ``fprop_unbias``, and ``wgrad_input`` where it is not
+"packed". Layers with the same settings share it (and the compiled code). ``layer_plan`` turns a key and
 the layer's ``rng_state`` (int64 ``[prefix, call]``, its stochastic-rounding chain on the device:
 ``formats.rng.SRStream``) into the plan of one call, each SR operand's seed an ``SRStream``, derived
 inside the kernels, so that no seed is read back to the host and each replay of a CUDA graph draws
@@ -70,6 +70,7 @@ class LayerPlan:
     dgrad_weight: str = "master"  # AdaHOPConfig.dgrad_weight
     fprop_mean_bias: bool = False  # AdaHOPConfig.fprop_mean_bias (adahop.mean_bias)
     fprop_unbias: bool = False  # AdaHOPConfig.fprop_unbias (adahop.unbias)
+    wgrad_input: str = "packed"  # AdaHOPConfig.wgrad_input: where a quantized wgrad's x comes from
 
 
 # ---- the numerics key: the ops' one description of a layer's GEMMs ----------------------------
@@ -89,6 +90,8 @@ def numerics_key(config: AdaHOPConfig, modes: dict, signs_seeds: tuple, oe_ks: d
     for option in FPROP_OPTIONS:  # (only where on: every other layer's key stays as it was)
         if getattr(config, option):
             key[option] = True
+    if config.wgrad_input != "packed":  # (likewise)
+        key["wgrad_input"] = config.wgrad_input
     return json.dumps(key, sort_keys=True, separators=(",", ":"))
 
 
@@ -117,6 +120,13 @@ def numerics_fprop_options(numerics: str) -> dict[str, bool]:
     return {option: bool(d.get(option, False)) for option in FPROP_OPTIONS}
 
 
+@functools.lru_cache(maxsize=1024)
+def numerics_wgrad_input(numerics: str) -> str:
+    """``AdaHOPConfig.wgrad_input`` under a numerics key: "packed" (x quantized along T by the
+    forward, saved) or "recompute" (x kept, quantized by the backward)."""
+    return json.loads(numerics).get("wgrad_input", "packed")
+
+
 def numerics_fprop_mean_bias(numerics: str) -> bool:
     """Whether a numerics key takes the activation's mean out of fprop's operand
     (``AdaHOPConfig.fprop_mean_bias``)."""
@@ -138,4 +148,5 @@ def layer_plan(numerics: str, rng_state: torch.Tensor, device: torch.device, nee
             plan = GemmPlan(plan.mode, a, b, plan.oe_k)
         plans.append(plan)
     return LayerPlan(*plans, backend=get_backend(backend_name, device), needs_backward=needs_backward,
-                     dgrad_weight=dgrad_weight, **numerics_fprop_options(numerics))
+                     dgrad_weight=dgrad_weight, wgrad_input=numerics_wgrad_input(numerics),
+                     **numerics_fprop_options(numerics))

@@ -84,14 +84,15 @@ PRESETS = {"debug": debug, "cpu": cpu, "h200": h200, "h200_125m": h200_125m, "h2
 
 # Overrides of the AdaHOP side that ``preset`` accepts beside TrainConfig's own fields.
 ADAHOP_OVERRIDES = ("recipe", "calibration_steps", "calibration_gemms", "dgrad_weight", "value_fprop", "oe_k",
-                    "backend")
+                    "backend", "wgrad_input")
 
 
 def preset(name: str, *, adahop: AdaHOPConfig | None = None, **overrides) -> TrainConfig:
     """Preset ``name`` with ``overrides`` (None values are ignored, so a CLI's unset options pass
     through). ``recipe`` picks the recipe (default ``DEFAULT_RECIPE``): its numerics and its
     precision schedule (``adahop.recipes``); ``calibration_steps``, ``calibration_gemms``,
-    ``dgrad_weight``, ``value_fprop``, ``oe_k`` (all GEMMs) and ``backend`` change the AdaHOP side;
+    ``dgrad_weight``, ``value_fprop``, ``wgrad_input``, ``oe_k`` (all GEMMs) and ``backend`` change the
+    AdaHOP side;
     ``adahop`` replaces the AdaHOP config as a whole (an experiment's own variant), before those,
     and brings no BF16 phase but one given as an override; ``seed`` sets both the training seed and
     the SR seed; every other name is a TrainConfig field (a schedule field given wins over the
@@ -118,7 +119,7 @@ def preset(name: str, *, adahop: AdaHOPConfig | None = None, **overrides) -> Tra
         q = q.replace(calibration_steps=overrides.pop("calibration_steps"))
     if "backend" in overrides:
         q = q.replace(backend=overrides.pop("backend"))
-    for name in ("calibration_gemms", "dgrad_weight", "value_fprop"):
+    for name in ("calibration_gemms", "dgrad_weight", "value_fprop", "wgrad_input"):
         if name in overrides:
             q = q.replace(**{name: overrides.pop(name)})
     if "oe_k" in overrides:

@@ -333,7 +333,8 @@ class StopTraining(Exception):  # noqa: N818  (a signal, not an error)
 # (``parallel`` may change between ddp and fsdp2: their sharded checkpoints are the same format.)
 # (``quantized_all_gather`` and ``adahop.quantized_all_gather`` may change: it gathers the operand the
 # layer would quantize, bit for bit.)
-# (``adahop.share_input`` may change: the layers that read one x give the same bits either way.)
+# (``adahop.share_input`` may change: the layers that read one x give the same bits either way;
+# so may ``adahop.wgrad_input``: x quantized in the forward or the backward, the same bits.)
 # (``init`` may not: it names what the run's weights started from. A resumed run's weights are
 # the checkpoint's, loaded over the freshly loaded pretrained ones.)
 RESUMABLE_CHANGES = ("out_dir", "corpus_dir", "device", "compile", "cudagraphs", "progress", "log_every", "sync_every",
@@ -350,7 +351,7 @@ def resume_conflicts(saved: dict, cfg: TrainConfig) -> list[str]:
     # ("recipe" is made from adahop.recipe and the BF16 phase, which are compared themselves)
     out = [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a
            if k not in RESUMABLE_CHANGES and k not in ("adahop", "recipe") and a[k] != b[k]]
-    resumable = {"backend": None, "share_input": None, "quantized_all_gather": None}
+    resumable = {"backend": None, "share_input": None, "quantized_all_gather": None, "wgrad_input": None}
     qa, qb = dict(a["adahop"], **resumable), dict(b["adahop"], **resumable)
     out += [f"adahop.{k}: {qa[k]!r} -> {qb[k]!r}" for k in qa if qa[k] != qb[k]]
     return out
