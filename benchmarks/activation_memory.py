@@ -18,6 +18,18 @@ tokens per step x blocks. At 1B, with the parameters and optimizer state added, 
 1.5% of the H200's measured peaks, under them (docs/results.md, 'What the speed targets would
 need'). Adaptive recipes need their modes (``--modes``, a ``modes.json`` of the same model size),
 since a calibrating layer runs eagerly and is not in the graph.
+
+torchao's float8 training is traced as a peer, as ``bench_train_speed.py`` runs it:
+``torchao_float8_tensorwise`` and ``torchao_float8_rowwise`` build the model as for bf16 and
+convert the linears adahop's conversion would take whose dims are multiples of 16 with
+``torchao.float8.convert_to_float8_training`` (``Float8LinearConfig.from_recipe_name``), the
+linears it leaves running ``F.linear`` as in bf16. The config is the recipe's with
+``emulate=True``, so that the step runs on the CPU: only the GEMM differs from the GPU's (a
+``torch.mm`` of the dequantized operands for ``torch._scaled_mm``); the casts to float8, whose
+outputs the partitioner may save, are the same ops. (Traced with ``torch._scaled_mm`` itself,
+which torch 2.13 runs on the CPU too, the 1B step saves the same bytes per token, its float8
+e4m3 x included, under other producers' names.) torchao is needed for these alone
+(``pip install torchao``).
 """
 
 from __future__ import annotations
@@ -27,12 +39,27 @@ import sys
 from collections import Counter
 
 import torch
+from bench_train_speed import PEERS, float8_filter, torchao_float8
 from common import Results, add_out_arg, environment, print_environment, script_parser
 
 import adahop
 
 VIEWS = ("aten.view", "aten._unsafe_view", "aten.detach", "aten.t.", "aten.transpose", "aten.permute",
          "aten.reshape", "aten.select", "aten.slice", "aten.expand", "aten.alias")
+
+
+def convert_peer(model, recipe: str) -> str:
+    """Convert ``model`` (built as for bf16) to torchao's float8 training in the peer's recipe,
+    emulated (see the module docstring), the linears taken as ``bench_train_speed.py`` takes
+    them. Returns torchao's version; a ValueError naming ``pip install torchao`` without it."""
+    import dataclasses
+
+    from adahop.convert import default_module_filter
+
+    version, config_class, convert = torchao_float8()
+    config = dataclasses.replace(config_class.from_recipe_name(PEERS[recipe]), emulate=True)
+    convert(model, config=config, module_filter_fn=float8_filter(default_module_filter(model)))
+    return version
 
 
 def saved_tensors(recipe: str, size: str, n_layers: int, tokens: int, share_input: bool, modes: str | None,
@@ -46,12 +73,16 @@ def saved_tensors(recipe: str, size: str, n_layers: int, tokens: int, share_inpu
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Llama(LlamaConfig.from_size(size, vocab_size=vocab, max_seq_len=tokens, n_layers=n_layers))
-    config = adahop.AdaHOPConfig.from_recipe_name(recipe, backend="reference", share_input=share_input)
-    adahop.convert_to_adahop_training(model, config=config)
-    if modes is not None:
-        adahop.load_modes(model, modes)
-    if not adahop.is_calibrated(model):
-        raise ValueError(f"{recipe} calibrates: give its modes (--modes modes.json of a {size} run)")
+    if recipe in PEERS:
+        # adahop converts nothing: the linears torchao leaves run F.linear, as bf16's do
+        convert_peer(model, recipe)
+    else:
+        config = adahop.AdaHOPConfig.from_recipe_name(recipe, backend="reference", share_input=share_input)
+        adahop.convert_to_adahop_training(model, config=config)
+        if modes is not None:
+            adahop.load_modes(model, modes)
+        if not adahop.is_calibrated(model):
+            raise ValueError(f"{recipe} calibrates: give its modes (--modes modes.json of a {size} run)")
     saved: Counter = Counter()
 
     def forward_compiler(gm, example_inputs):
@@ -86,12 +117,21 @@ def per_block(recipe: str, size: str, tokens: int, share_input: bool, modes: str
     items = [{"producer": p, "shape": list(s), "dtype": d, "bytes": b,
               "per_token": bool(token_dims & set(s))} for (p, s, d), b in sorted(block.items(), key=lambda kv: -kv[1])]
     activation = sum(i["bytes"] for i in items if i["per_token"])
+    peer = {"torchao": torchao_float8()[0], "float8_recipe": PEERS[recipe], "float8_emulated": True} \
+        if recipe in PEERS else {}
     return {
-        "recipe": recipe, "model_size": size, "tokens": tokens, "share_input": share_input, "modes": modes,
+        "recipe": recipe, "model_size": size, "tokens": tokens, "share_input": share_input, "modes": modes, **peer,
         "activation_bytes_per_token": activation / tokens,
         "constant_bytes": sum(i["bytes"] for i in items if not i["per_token"]),
         "items": items,
     }
+
+
+def run_name(r: dict) -> str:
+    """A row's name: the recipe, with x shared, or torchao's version for a peer."""
+    if r.get("torchao"):
+        return f"{r['recipe']} (torchao {r['torchao']}, emulated)"
+    return f"{r['recipe']}{' (x shared)' if r['share_input'] else ''}"
 
 
 def table(rows: list[dict], project_tokens: int, n_layers: int) -> str:
@@ -99,8 +139,10 @@ def table(rows: list[dict], project_tokens: int, n_layers: int) -> str:
              f"{project_tokens} tokens |", "|---|---|---|---|---|"]
     for r in rows:
         total = (r["activation_bytes_per_token"] * project_tokens + r["constant_bytes"]) * n_layers
-        shared = "yes" if r["share_input"] else "no"
-        lines.append(f"| {r['recipe']} | {shared} | {r['activation_bytes_per_token']:,.0f} "
+        # sharing x's quantization is adahop's: bf16 quantizes nothing, a peer is torchao's conversion
+        shared = "-" if r["recipe"] == "bf16" or r["recipe"] in PEERS else "yes" if r["share_input"] else "no"
+        name = f"{r['recipe']} (torchao {r['torchao']})" if r.get("torchao") else r["recipe"]
+        lines.append(f"| {name} | {shared} | {r['activation_bytes_per_token']:,.0f} "
                      f"| {r['constant_bytes'] / 2**20:.1f} MiB | {total / 2**30:.2f} GiB |")
     return "\n".join(lines)
 
@@ -110,8 +152,9 @@ def main(argv=None) -> int:
 
     p = script_parser(__doc__)
     p.add_argument("--model-size", default="1b", choices=list(SIZES), help="the Llama's size (default: %(default)s)")
-    p.add_argument("--recipes", nargs="+", default=["bf16", "mxfp4"], choices=list(adahop.RECIPES),
-                   help="recipes to trace (default: bf16 mxfp4; adaptive ones need --modes)")
+    p.add_argument("--recipes", nargs="+", default=["bf16", "mxfp4"], choices=[*adahop.RECIPES, *PEERS],
+                   help="recipes to trace: adahop's and torchao's float8 peers (default: bf16 mxfp4; adaptive ones "
+                        "need --modes)")
     p.add_argument("--tokens", type=int, default=160,
                    help="tokens of the traced step: a multiple of 32 whose T, T/2 and T/32 are none of the "
                         "model's dims, so that a shape tells an activation (default: %(default)s)")
@@ -139,7 +182,7 @@ def main(argv=None) -> int:
     shares = {"on": (True,), "off": (False,), "both": (False, True)}[args.share_input]
     rows = []
     for recipe in args.recipes:
-        for share in shares if recipe != "bf16" else (False,):
+        for share in shares if recipe != "bf16" and recipe not in PEERS else (False,):
             try:
                 row = per_block(recipe, args.model_size, args.tokens, share, args.modes, vocab=8192)
             except ValueError as e:
@@ -147,8 +190,7 @@ def main(argv=None) -> int:
                 return 2
             rows.append(row)
             results.write("block", [row])
-            print(f"{recipe}{' (x shared)' if share else ''}: {row['activation_bytes_per_token']:,.0f} bytes per token "
-                  f"per block", flush=True)
+            print(f"{run_name(row)}: {row['activation_bytes_per_token']:,.0f} bytes per token per block", flush=True)
             for item in row["items"][:12]:
                 unit = f"{item['bytes'] / args.tokens:10,.0f} B/token" if item["per_token"] else \
                     f"{item['bytes'] / 2**20:10.2f} MiB    "

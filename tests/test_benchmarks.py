@@ -384,6 +384,35 @@ def test_activation_memory_reads_what_the_compiled_graph_saves(tmp_path, capsys)
     assert am.main(["--model-size", "tiny", "--recipes", "adahop_lv2", "--out", str(out)]) == 2
 
 
+def test_activation_memory_traces_torchao_float8_as_a_peer(tmp_path, capsys):
+    """torchao's tensorwise float8 on the tiny model, emulated on the CPU: the step keeps float8
+    (e4m3) copies of x where bf16 keeps bf16 ones, and so fewer bytes per token per block; the
+    table says x sharing does not apply to it (nor to bf16)."""
+    torchao = pytest.importorskip("torchao")
+    am = script("activation_memory")
+    out = tmp_path / "am.jsonl"
+    assert am.main(["--model-size", "tiny", "--recipes", "bf16", "torchao_float8_tensorwise",
+                    "--out", str(out)]) == 0
+    bf16, peer = rows_of(out)
+    assert peer["recipe"] == "torchao_float8_tensorwise" and peer["torchao"] == torchao.__version__
+    assert peer["float8_recipe"] == "tensorwise" and peer["float8_emulated"] is True
+    float8 = [i for i in peer["items"] if i["dtype"] == "float8_e4m3fn"]
+    assert float8 and all(i["per_token"] for i in float8), peer["items"]
+    assert not any(i["dtype"].startswith("float8") for i in bf16["items"])
+    assert peer["activation_bytes_per_token"] < bf16["activation_bytes_per_token"]
+    text = capsys.readouterr().out
+    assert "| bf16 | - |" in text and f"| torchao_float8_tensorwise (torchao {torchao.__version__}) | - |" in text
+
+
+def test_activation_memory_peer_without_torchao_is_one_line(tmp_path, monkeypatch, capsys):
+    am = script("activation_memory")
+    monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao raises ImportError
+    assert am.main(["--model-size", "tiny", "--recipes", "torchao_float8_rowwise",
+                    "--out", str(tmp_path / "am.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install torchao" in err[0], err
+
+
 def test_bench_train_speed_worker_profiles(corpus, tmp_path):
     """One run in this process, adaptive (calibration as 2 micro-batches, then MXFP4), with the
     profile window."""
