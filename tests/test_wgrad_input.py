@@ -152,7 +152,8 @@ def test_compiled_model_keeps_no_packed_x_and_the_same_bits():
     keeps codes and scales for every layer), and its loss and gradients are packed's bit for bit."""
     packed, loss_p, grads_p = compiled_step_saves("packed")
     recompute, loss_r, grads_r = compiled_step_saves("recompute")
-    assert packed.count("torch.uint8") == 2 * 4  # codes and scales of the 7 layers' 4 inputs (q, k, v read one; w1, w3 one)
+    # codes and scales of the 7 layers' 4 inputs (q, k and v read one, w1 and w3 one)
+    assert packed.count("torch.uint8") == 2 * 4
     assert "torch.uint8" not in recompute
     assert torch.equal(loss_p, loss_r)
     assert all(torch.equal(a, b) for a, b in zip(grads_p, grads_r))

@@ -19,8 +19,14 @@ from adahop.gemm_geometry import FPROP, WGRAD
 from adahop.layer.bounds import gradient_bounds, recomputable, wgrad_input_bound
 from adahop.layer.gemms import forward_gemms
 from adahop.layer.ops import empty_output, forward_fake
-from adahop.layer.plan import (GemmPlan, LayerPlan, layer_plan, numerics_fprop_mean_bias, numerics_templates,
-                               numerics_wgrad_input)
+from adahop.layer.plan import (
+    GemmPlan,
+    LayerPlan,
+    layer_plan,
+    numerics_fprop_mean_bias,
+    numerics_templates,
+    numerics_wgrad_input,
+)
 
 
 def _input_specs(fprop: GemmPlan, wgrad: GemmPlan, needs_backward: bool):
@@ -151,7 +157,7 @@ def _group_setup_context(ctx, inputs, output):
     # (Dynamo may trace this and the backward: plain indexing only, no parsing of the keys)
     xs, weights, rng_states, group_numerics, owners, needs_backward, _x_bound = inputs
     saved, non_differentiable = [], []
-    for i, (x, weight, rng_state) in enumerate(zip(xs, weights, rng_states)):
+    for i, (weight, rng_state) in enumerate(zip(weights, rng_states)):
         src = owners[i] if owners[i] >= 0 else i  # whose outputs hold the x this layer's wgrad reads
         codes, scales = output[5 * src + 1], output[5 * src + 2]
         _, _, _, cols_hp, cols_idx = output[5 * i: 5 * i + 5]
