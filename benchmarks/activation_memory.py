@@ -17,7 +17,9 @@ What this predicts is the activation part of a step's peak memory: bytes per tok
 tokens per step x blocks. At 1B, with the parameters and optimizer state added, it came within
 1.5% of the H200's measured peaks, under them (docs/results.md, 'What the speed targets would
 need'). Adaptive recipes need their modes (``--modes``, a ``modes.json`` of the same model size),
-since a calibrating layer runs eagerly and is not in the graph.
+since a calibrating layer runs eagerly and is not in the graph. ``--wgrad-input`` sets
+``AdaHOPConfig.wgrad_input``: with "recompute" the layers keep x itself for the backward, which
+quantizes it, and the partitioner may recompute x there instead of saving it.
 
 torchao's float8 training is traced as a peer, as ``bench_train_speed.py`` runs it:
 ``torchao_float8_tensorwise`` and ``torchao_float8_rowwise`` build the model as for bf16 and
@@ -63,7 +65,7 @@ def convert_peer(model, recipe: str) -> str:
 
 
 def saved_tensors(recipe: str, size: str, n_layers: int, tokens: int, share_input: bool, modes: str | None,
-                  vocab: int) -> Counter:
+                  vocab: int, wgrad_input: str = "packed") -> Counter:
     """Bytes the compiled forward saves for the backward, by (producer, shape, dtype)."""
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
@@ -77,7 +79,8 @@ def saved_tensors(recipe: str, size: str, n_layers: int, tokens: int, share_inpu
         # adahop converts nothing: the linears torchao leaves run F.linear, as bf16's do
         convert_peer(model, recipe)
     else:
-        config = adahop.AdaHOPConfig.from_recipe_name(recipe, backend="reference", share_input=share_input)
+        config = adahop.AdaHOPConfig.from_recipe_name(recipe, backend="reference", share_input=share_input,
+                                                      wgrad_input=wgrad_input)
         adahop.convert_to_adahop_training(model, config=config)
         if modes is not None:
             adahop.load_modes(model, modes)
@@ -108,10 +111,11 @@ def saved_tensors(recipe: str, size: str, n_layers: int, tokens: int, share_inpu
     return saved
 
 
-def per_block(recipe: str, size: str, tokens: int, share_input: bool, modes: str | None, vocab: int) -> dict:
+def per_block(recipe: str, size: str, tokens: int, share_input: bool, modes: str | None, vocab: int,
+              wgrad_input: str = "packed") -> dict:
     """One row: the tensors one block saves, its activation bytes per token and its constants."""
-    one = saved_tensors(recipe, size, 1, tokens, share_input, modes, vocab)
-    two = saved_tensors(recipe, size, 2, tokens, share_input, modes, vocab)
+    one = saved_tensors(recipe, size, 1, tokens, share_input, modes, vocab, wgrad_input)
+    two = saved_tensors(recipe, size, 2, tokens, share_input, modes, vocab, wgrad_input)
     block = {k: two[k] - one.get(k, 0) for k in two if two[k] - one.get(k, 0)}
     token_dims = {tokens, tokens // 2, tokens // 32}  # (x packed along T: codes [K, T/2], scales [K, T/32])
     items = [{"producer": p, "shape": list(s), "dtype": d, "bytes": b,
@@ -120,7 +124,8 @@ def per_block(recipe: str, size: str, tokens: int, share_input: bool, modes: str
     peer = {"torchao": torchao_float8()[0], "float8_recipe": PEERS[recipe], "float8_emulated": True} \
         if recipe in PEERS else {}
     return {
-        "recipe": recipe, "model_size": size, "tokens": tokens, "share_input": share_input, "modes": modes, **peer,
+        "recipe": recipe, "model_size": size, "tokens": tokens, "share_input": share_input, "modes": modes,
+        "wgrad_input": None if peer or recipe == "bf16" else wgrad_input, **peer,
         "activation_bytes_per_token": activation / tokens,
         "constant_bytes": sum(i["bytes"] for i in items if not i["per_token"]),
         "items": items,
@@ -131,18 +136,19 @@ def run_name(r: dict) -> str:
     """A row's name: the recipe, with x shared, or torchao's version for a peer."""
     if r.get("torchao"):
         return f"{r['recipe']} (torchao {r['torchao']}, emulated)"
-    return f"{r['recipe']}{' (x shared)' if r['share_input'] else ''}"
+    recomputed = " (wgrad's x recomputed)" if r.get("wgrad_input") == "recompute" else ""
+    return f"{r['recipe']}{' (x shared)' if r['share_input'] else ''}{recomputed}"
 
 
 def table(rows: list[dict], project_tokens: int, n_layers: int) -> str:
-    lines = [f"| recipe | x shared | bytes per token per block | per-block constants | {n_layers} blocks x "
-             f"{project_tokens} tokens |", "|---|---|---|---|---|"]
+    lines = [f"| recipe | x shared | wgrad's x | bytes per token per block | per-block constants | {n_layers} "
+             f"blocks x {project_tokens} tokens |", "|---|---|---|---|---|---|"]
     for r in rows:
         total = (r["activation_bytes_per_token"] * project_tokens + r["constant_bytes"]) * n_layers
         # sharing x's quantization is adahop's: bf16 quantizes nothing, a peer is torchao's conversion
         shared = "-" if r["recipe"] == "bf16" or r["recipe"] in PEERS else "yes" if r["share_input"] else "no"
         name = f"{r['recipe']} (torchao {r['torchao']})" if r.get("torchao") else r["recipe"]
-        lines.append(f"| {name} | {shared} | {r['activation_bytes_per_token']:,.0f} "
+        lines.append(f"| {name} | {shared} | {r.get('wgrad_input') or '-'} | {r['activation_bytes_per_token']:,.0f} "
                      f"| {r['constant_bytes'] / 2**20:.1f} MiB | {total / 2**30:.2f} GiB |")
     return "\n".join(lines)
 
@@ -161,6 +167,9 @@ def main(argv=None) -> int:
     p.add_argument("--share-input", choices=("on", "off", "both"), default="on",
                    help="AdaHOPConfig.share_input of the converted model (on: the library's default; both: each "
                         "recipe both ways) (default: %(default)s)")
+    p.add_argument("--wgrad-input", choices=("packed", "recompute", "both"), default="packed",
+                   help="AdaHOPConfig.wgrad_input of the converted model (packed: the library's default; both: each "
+                        "adahop recipe both ways) (default: %(default)s)")
     p.add_argument("--modes", default=None, help="modes.json for the adaptive recipes (the same model size)")
     p.add_argument("--project-tokens", type=int, default=32768,
                    help="tokens per step of the projection in the table (default: %(default)s, 64 x 512)")
@@ -180,11 +189,14 @@ def main(argv=None) -> int:
     print_environment(env)
     results = Results(args.out, "activation_memory", env)
     shares = {"on": (True,), "off": (False,), "both": (False, True)}[args.share_input]
+    inputs = ("packed", "recompute") if args.wgrad_input == "both" else (args.wgrad_input,)
     rows = []
     for recipe in args.recipes:
-        for share in shares if recipe != "bf16" and recipe not in PEERS else (False,):
+        adahop_recipe = recipe != "bf16" and recipe not in PEERS
+        for share, wgrad_input in [(s, w) for s in shares for w in inputs] if adahop_recipe else [(False, "packed")]:
             try:
-                row = per_block(recipe, args.model_size, args.tokens, share, args.modes, vocab=8192)
+                row = per_block(recipe, args.model_size, args.tokens, share, args.modes, vocab=8192,
+                                wgrad_input=wgrad_input)
             except ValueError as e:
                 print(f"activation_memory.py: {e}", file=sys.stderr)
                 return 2

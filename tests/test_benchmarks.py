@@ -384,6 +384,21 @@ def test_activation_memory_reads_what_the_compiled_graph_saves(tmp_path, capsys)
     assert am.main(["--model-size", "tiny", "--recipes", "adahop_lv2", "--out", str(out)]) == 2
 
 
+def test_activation_memory_with_wgrad_input_recompute(tmp_path, capsys):
+    """With x quantized by the backward, the compiled step keeps nothing packed: the norms'
+    outputs and w2's input are recomputed from what the norms and SwiGLU keep, so the block keeps
+    less than with x packed."""
+    am = script("activation_memory")
+    out = tmp_path / "am.jsonl"
+    assert am.main(["--model-size", "tiny", "--recipes", "mxfp4", "--wgrad-input", "both", "--out", str(out)]) == 0
+    packed, recompute = rows_of(out)
+    assert (packed["wgrad_input"], recompute["wgrad_input"]) == ("packed", "recompute")
+    assert any(i["dtype"] == "uint8" for i in packed["items"])
+    assert not any(i["dtype"] == "uint8" and i["per_token"] for i in recompute["items"])
+    assert recompute["activation_bytes_per_token"] < packed["activation_bytes_per_token"]
+    assert "| mxfp4 | yes | recompute |" in capsys.readouterr().out
+
+
 def test_activation_memory_traces_torchao_float8_as_a_peer(tmp_path, capsys):
     """torchao's tensorwise float8 on the tiny model, emulated on the CPU: the step keeps float8
     (e4m3) copies of x where bf16 keeps bf16 ones, and so fewer bytes per token per block; the
