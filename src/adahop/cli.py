@@ -409,7 +409,7 @@ def _add_train_args(p):
                    help="what a quantized weight gradient reads of x: packed (x quantized along the tokens by the "
                         "forward and kept, 4.25 bits a value; the default) or recompute (x quantized by the "
                         "backward: compiled, the forward keeps nothing of x that its producer does not keep "
-                        "anyway; the same bits)")
+                        "anyway; the same quantized values)")
     g.add_argument("--value-fprop", choices=GEMM_MODES, default=None, metavar="MODE",
                    help="the forward GEMM's mode in attention's value projections (wv, v_proj), in place of the "
                         f"policy's or the recipe's: one of {', '.join(GEMM_MODES)} (mxfp4: no Hadamard there, "

@@ -61,7 +61,7 @@ DGRAD_WEIGHTS = ("master", "forward")
 # Where a quantized wgrad's x comes from (docs/method.md, 'What the forward keeps for wgrad'):
 # "packed", x quantized along the tokens in the forward and saved (4.25 bits a value); or
 # "recompute", x itself kept and quantized in the backward, which a compiled model need not keep
-# at all (the partitioner recomputes x from what its producer keeps). The same bits either way.
+# at all (the partitioner recomputes x from what its producer keeps). The same quantized values.
 WGRAD_INPUTS = ("packed", "recompute")
 # The names (last component) of attention's value projections: adahop's Llama and Hugging Face's.
 VALUE_PROJECTIONS = ("wv", "v_proj")
