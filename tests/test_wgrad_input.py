@@ -3,6 +3,8 @@ or x itself kept and quantized by the backward ("recompute"). The same outputs a
 for bit on every backend, SR chains and OE-right's columns included; what autograd keeps; a
 compiled model that keeps no packed x; the option's config, key and CLI."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -116,9 +118,10 @@ def test_bounds_reach_the_backward_quantization(monkeypatch):
     assert '"wgrad_input":"recompute"' in layer.numerics
 
 
-def compiled_step_saves(wgrad_input):
-    """(the dtypes of what a compiled step of a tiny Llama keeps for the backward, its loss and
-    gradients). AOTAutograd with the min-cut partitioner, Inductor's choice of what to save."""
+def compiled_step_saves(wgrad_input, bf16_wgrad=False):
+    """(the dtypes and shapes of what a compiled step of a tiny Llama keeps for the backward, its
+    loss and gradients). AOTAutograd with the min-cut partitioner, Inductor's choice of what to
+    save. ``bf16_wgrad``: every wgrad in BF16."""
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
@@ -128,12 +131,14 @@ def compiled_step_saves(wgrad_input):
     torch.manual_seed(0)
     model = Llama(LlamaConfig.from_size("tiny", vocab_size=128, max_seq_len=64, n_layers=1))
     cfg = adahop.AdaHOPConfig.from_recipe_name("mxfp4", backend="reference", wgrad_input=wgrad_input)
+    if bf16_wgrad:
+        cfg = cfg.replace(wgrad=dataclasses.replace(cfg.wgrad, mode="bf16"))
     adahop.convert_to_adahop_training(model, config=cfg)
     saved = []
 
     def forward_compiler(gm, _):
         outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-        saved.extend(str(n.meta["val"].dtype) for n in outputs[1:]  # (not the ops' empty outputs)
+        saved.extend((str(n.meta["val"].dtype), tuple(n.meta["val"].shape)) for n in outputs[1:]  # (not empty ones)
                      if n.op != "placeholder" and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].numel())
         return make_boxed_func(gm.forward)
 
@@ -153,8 +158,8 @@ def test_compiled_model_keeps_no_packed_x_and_the_same_bits():
     packed, loss_p, grads_p = compiled_step_saves("packed")
     recompute, loss_r, grads_r = compiled_step_saves("recompute")
     # codes and scales of the 7 layers' 4 inputs (q, k and v read one, w1 and w3 one)
-    assert packed.count("torch.uint8") == 2 * 4
-    assert "torch.uint8" not in recompute
+    assert [dtype for dtype, _ in packed].count("torch.uint8") == 2 * 4
+    assert "torch.uint8" not in [dtype for dtype, _ in recompute]
     assert torch.equal(loss_p, loss_r)
     assert all(torch.equal(a, b) for a, b in zip(grads_p, grads_r))
 
@@ -174,3 +179,12 @@ def test_config_key_and_cli():
     args = build_parser().parse_args(["train", "--preset", "debug", "--recipe", "mxfp4", "--wgrad-input",
                                       "recompute", "--corpus", ".", "--device", "cpu"])
     assert train_config(args).adahop.wgrad_input == "recompute"
+
+
+def test_compiled_bf16_wgrad_recomputes_x():
+    """A BF16 wgrad keeps x itself; compiled, x is recomputed as for "recompute" (the norms'
+    outputs and w2's input are not kept): the step keeps exactly what the "recompute" step keeps."""
+    bf16_wgrad, *_ = compiled_step_saves("packed", bf16_wgrad=True)
+    recompute, *_ = compiled_step_saves("recompute")
+    assert sorted(bf16_wgrad) == sorted(recompute)
+    assert ("torch.bfloat16", (128, 192)) not in bf16_wgrad  # w2's input

@@ -71,8 +71,9 @@ def gradient_bounds(g_TN: torch.Tensor, numerics: str, needs_dx: bool, needs_dw:
 
 
 def recomputable(x_TK: torch.Tensor) -> torch.Tensor:
-    """x as the backward reads it where it quantizes x (``AdaHOPConfig.wgrad_input``
-    "recompute"): compiled, a copy; eager, x itself (a copy would cost a pass over x).
+    """x as the backward reads it where the layer keeps x for wgrad (a BF16 wgrad, or
+    ``AdaHOPConfig.wgrad_input`` "recompute"): compiled, a copy; eager, x itself (a copy would
+    cost a pass over x).
 
     AOTAutograd's min-cut partitioner never recomputes a tensor that the backward reads through
     an op it cannot fuse, such as the layer's backward op: it would save x. Read through a copy

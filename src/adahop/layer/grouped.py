@@ -19,14 +19,7 @@ from adahop.gemm_geometry import FPROP, WGRAD
 from adahop.layer.bounds import gradient_bounds, recomputable, wgrad_input_bound
 from adahop.layer.gemms import forward_gemms
 from adahop.layer.ops import empty_output, forward_fake
-from adahop.layer.plan import (
-    GemmPlan,
-    LayerPlan,
-    layer_plan,
-    numerics_fprop_mean_bias,
-    numerics_templates,
-    numerics_wgrad_input,
-)
+from adahop.layer.plan import GemmPlan, LayerPlan, layer_plan, numerics_fprop_mean_bias, numerics_templates
 
 
 def _input_specs(fprop: GemmPlan, wgrad: GemmPlan, needs_backward: bool):
@@ -183,7 +176,7 @@ def _group_backward(ctx, grads):
             continue
         if x is None:
             x = empty_output(grads[5 * i], ctx.x_dtype)
-        elif needs_dw[i] and numerics_wgrad_input(numerics) == "recompute":
+        elif needs_dw[i]:  # (kept for a BF16 wgrad, or to quantize here)
             x_read = recomputable(x) if x_read is None else x_read
             x = x_read
         row_bound, col_bound = gradient_bounds(grads[5 * i], numerics, needs_dx[i], needs_dw[i])

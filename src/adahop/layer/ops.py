@@ -148,7 +148,7 @@ def _backward(ctx, grad_y, *_unused):
     needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if x is None:
         x = empty_output(grad_y, ctx.x_dtype)
-    elif needs_dw and numerics_wgrad_input(ctx.numerics) == "recompute":
+    elif needs_dw:  # (kept for a BF16 wgrad, or to quantize here)
         x = recomputable(x)
     row_bound, col_bound = gradient_bounds(grad_y, ctx.numerics, needs_dx, needs_dw)
     x_col_bound = wgrad_input_bound(x, ctx.numerics, needs_dw)
