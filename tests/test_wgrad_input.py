@@ -188,3 +188,28 @@ def test_compiled_bf16_wgrad_recomputes_x():
     recompute, *_ = compiled_step_saves("recompute")
     assert sorted(bf16_wgrad) == sorted(recompute)
     assert ("torch.bfloat16", (128, 192)) not in bf16_wgrad  # w2's input
+
+
+@pytest.mark.parametrize("recipe", ["mxfp4_iht", "tseng"])
+def test_eager_llama_groups_give_the_packed_bits(recipe):
+    """The tiny Llama eager, its q, k, v and w1, w3 run as groups on one input: two steps' losses
+    and gradients with x recomputed are those with x packed, bit for bit."""
+    from adahop.llama.model import Llama, LlamaConfig
+
+    results = []
+    for wgrad_input in ("packed", "recompute"):
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig.from_size("tiny", vocab_size=128, max_seq_len=64, n_layers=2))
+        cfg = adahop.AdaHOPConfig.from_recipe_name(recipe, backend="reference", wgrad_input=wgrad_input)
+        adahop.convert_to_adahop_training(model, config=cfg)
+        out = []
+        for step in range(2):
+            tokens = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(step))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(tokens).float().logsumexp(-1).mean()
+            loss.backward()
+            out.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+            model.zero_grad()
+        results.append(out)
+    for (lp, gp), (lr, gr) in zip(*results):
+        assert torch.equal(lp, lr) and all(torch.equal(a, b) for a, b in zip(gp, gr))
