@@ -8,7 +8,7 @@ torchao's float8 training as a peer.
 The 1B comparison with torchao's float8 (one H100 or H200, torchao 0.17.0 on torch 2.11; 64 x 512
 tokens per step, the preset's), in calls of about 6 to 8 minutes each so that every ratio,
 to bf16 and to torchao tensorwise, is within one call (the third: adahop_lv2 with the row bounds
-and with the exact row maxima):
+and with the exact row maxima; the fourth: wgrad's x packed and recomputed):
 
     python benchmarks/bench_train_speed.py --corpus runs/corpus --preset h200_125m --model-size 1b \\
         --steps 32 38 --run-steps 39 --calibration-steps 10 --calibration-micro-batches 4 --memory-snapshot \\
@@ -16,9 +16,12 @@ and with the exact row maxima):
     python benchmarks/bench_train_speed.py --corpus runs/corpus --preset h200_125m --model-size 1b \\
         --steps 32 38 --run-steps 39 --calibration-steps 10 --calibration-micro-batches 4 --memory-snapshot \\
         --recipes torchao_float8_tensorwise adahop_lv2 adahop_lv2_tail
+    python benchmarks/bench_train_speed.py --corpus runs/corpus --preset h200_125m --model-size 1b \\
+        --steps 32 38 --run-steps 39 --calibration-steps 10 --calibration-micro-batches 4 --memory-snapshot \\
+        --recipes torchao_float8_tensorwise adahop_lv2 --row-bounds both
     python benchmarks/bench_train_speed.py --corpus runs/corpus --preset h200_125m --model-size 1b \
         --steps 32 38 --run-steps 39 --calibration-steps 10 --calibration-micro-batches 4 --memory-snapshot \
-        --recipes torchao_float8_tensorwise adahop_lv2 --row-bounds both
+        --recipes torchao_float8_tensorwise adahop_lv2 --wgrad-input both
 
 The timed steps are 33 to 38 and step 39's memory is recorded: --run-steps 39 begins
 adahop_lv2_tail's BF16 phase after step 31, so its row times the phase (the last 18% of adahop
