@@ -896,7 +896,7 @@ def test_bench_train_speed_docstring_1b_commands_time_the_tail_in_its_phase():
     text = ts.__doc__.replace("\\\n", " ")
     commands = [shlex.split(line.strip())[2:] for line in text.splitlines()
                 if line.strip().startswith("python benchmarks/bench_train_speed.py") and "torchao_float8" in line]
-    assert len(commands) == 3  # the third: adahop_lv2 with and without the row bounds
+    assert len(commands) == 4  # the third: with and without the row bounds; the fourth: x packed and recomputed
     recipes = set()
     for argv in commands:
         args = ts.parse_args(argv)
