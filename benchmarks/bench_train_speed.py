@@ -130,8 +130,10 @@ def run_config(args, recipe: str, run_dir):
                  cudagraphs=args.cudagraphs, min_features=args.min_features,
                  eval_every=0, ckpt_every=0)
     cfg = dataclasses.replace(cfg, steps=max(cfg.steps, last_step(args)),
-                              adahop=cfg.adahop.replace(share_input=args.share_input != "off",
-                                                        wgrad_input=args.wgrad_input))
+                              adahop=cfg.adahop.replace(
+                                  share_input=args.share_input != "off",
+                                  # (both: the parent checks the packed one; each worker gets its own)
+                                  wgrad_input="packed" if args.wgrad_input == "both" else args.wgrad_input))
     cfg.validate()  # a device this machine lacks, a backend it cannot run: one line
     window_phase(cfg, recipe, args.steps[0], last_step(args))
     if args.memory_snapshot:

@@ -323,15 +323,20 @@ SPEED = ["--preset", "debug", "--model-size", "tiny", "--no-compile", "--batch-s
 
 
 def test_bench_train_speed_end_to_end(corpus, tmp_path, capsys):
-    """bf16, mxfp4 (x quantized once per group, then per layer), bf16, each in its own process:
-    one row per run with the environment, the table with both ratios."""
+    """bf16, mxfp4 (x quantized once per group, then per layer; wgrad's x packed, then
+    recomputed), bf16, each in its own process: one row per run with the environment, the table
+    with both ratios."""
     ts = script("bench_train_speed")
     out = tmp_path / "speed.jsonl"
     assert ts.main([*SPEED, "--corpus", str(corpus), "--recipes", "mxfp4", "--out", str(out),
-                    "--run-dir", str(tmp_path), "--share-input", "both"]) == 0
+                    "--run-dir", str(tmp_path), "--share-input", "both", "--wgrad-input", "both"]) == 0
     rows = rows_of(out)
-    assert [(r["run"], r["recipe"], r["share_input"]) for r in rows] == [
-        (1, "bf16", False), (2, "mxfp4", True), (3, "mxfp4", False), (4, "bf16", False)]
+    assert [(r["run"], r["recipe"], r["share_input"], r["wgrad_input"]) for r in rows] == [
+        (1, "bf16", False, "packed"), (2, "mxfp4", True, "packed"), (3, "mxfp4", True, "recompute"),
+        (4, "mxfp4", False, "packed"), (5, "mxfp4", False, "recompute"), (6, "bf16", False, "packed")]
+    # the same quantized values whichever way x is shared and wgrad's x made: the same losses
+    assert rows[1]["losses"] == rows[2]["losses"] == rows[3]["losses"] == rows[4]["losses"]
+    rows = [rows[0], rows[1], rows[3], rows[5]]
     assert len({r["call"] for r in rows}) == 1
     for r in rows:
         assert r["window"] == [2, 4] and r["tokens_per_step"] == 64 and r["model_size"] == "tiny"
@@ -347,7 +352,8 @@ def test_bench_train_speed_end_to_end(corpus, tmp_path, capsys):
     assert rows[0]["losses"] == rows[3]["losses"] != rows[1]["losses"] == rows[2]["losses"]
     assert list(tmp_path.glob("speed_*")) == []  # each run's folder removed after it
     text = capsys.readouterr().out
-    assert "| 2 | mxfp4 (x shared) |" in text and "| 3 | mxfp4 |" in text
+    assert "| 2 | mxfp4 (x shared) |" in text and "| 4 | mxfp4 |" in text
+    assert "| 3 | mxfp4 (x shared) (wgrad's x recomputed) |" in text
     assert "vs bf16 (first)" in text and "bf16 drift over the call" in text
     assert "| peak memory | steady peak memory |" in text
     on_gpu = {**rows[1], "peak_memory_bytes": 3 * 2**30, "steady_peak_memory_bytes": 2 * 2**30}
