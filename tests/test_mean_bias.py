@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from emulated_hopper import EmulatedHopper
 from probe_layer import fwd_bwd, probe_layer
 
 from adahop import AdaHOPConfig
@@ -114,22 +115,6 @@ def test_refusals():
         AdaHOPConfig.from_recipe_name("mxfp4", fprop_mean_bias=1)
 
 
-class _EmulatedHopper:
-    """hopper_fp8's operands and kernels (Triton, interpreted) with the FP8 GEMM as a float32
-    matmul of the e4m3 values times their row scales, so that it runs on the CPU."""
-
-    def __new__(cls):
-        from adahop.ops.backends.hopper_fp8 import HopperFP8Backend
-
-        class Emulated(HopperFP8Backend):
-            def mm_nt(self, a, b, out_dtype):
-                a, b = self.as_e4m3(a), self.as_e4m3(b)
-                return ((a.e4m3.float() * a.row_scale[:, None])
-                        @ (b.e4m3.float() * b.row_scale[:, None]).t()).to(out_dtype)
-
-        return Emulated()
-
-
 @pytest.mark.parametrize("backend", ["triton", "hopper_fp8"])
 def test_every_backend_runs_the_option(monkeypatch, backend):
     """The split is made above the backend, which quantizes r as any operand: on the Triton
@@ -139,7 +124,7 @@ def test_every_backend_runs_the_option(monkeypatch, backend):
     import adahop.layer.plan as plan
     from adahop.ops.backends.triton import TritonBackend
 
-    impl = TritonBackend() if backend == "triton" else _EmulatedHopper()
+    impl = TritonBackend() if backend == "triton" else EmulatedHopper()
     monkeypatch.setattr(plan, "get_backend", lambda name, device: impl)
     x, w, g = data(T=32, K=64, N=32, seed=4)
     with torch.no_grad():

@@ -8,6 +8,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from emulated_hopper import EmulatedHopper  # noqa: E402
+
 from adahop.kernels.quantize import quantize_operand_triton  # noqa: E402
 from adahop.kernels.quantize_both import quantize_both  # noqa: E402
 from adahop.ops.backends.hopper_fp8 import HopperFP8Backend  # noqa: E402
@@ -123,18 +125,7 @@ def test_bad_arguments():
         quantize_both(x, plain, plain, rows_form="fp8")
 
 
-class _EmulatedHopper(HopperFP8Backend):
-    """hopper_fp8's operands and kernels, with the FP8 GEMM replaced by a float32 matmul of the
-    e4m3 values times their row scales (exact products), so that it runs on the CPU."""
-
-    def mm_nt(self, a, b, out_dtype):
-        a, b = self.as_e4m3(a), self.as_e4m3(b)
-        fa = a.e4m3.float() * a.row_scale[:, None]
-        fb = b.e4m3.float() * b.row_scale[:, None]
-        return (fa @ fb.t()).to(out_dtype)
-
-
-class _EmulatedHopperSeparate(_EmulatedHopper):
+class _EmulatedHopperSeparate(EmulatedHopper):
     quantize_both = None  # the backward quantizes g twice, as without the fused kernel
     quantize_and_pack = None  # and the forward x twice
 
@@ -159,10 +150,10 @@ def test_layer_same_with_and_without_fusion(monkeypatch, layer_on_backend, recip
             calls.append((_name, tuple(sorted(k for k, v in kwargs.items() if v is not None and v is not False))))
             return _real(self, *args, **kwargs)
 
-        monkeypatch.setattr(_EmulatedHopper, name, counting)
-    monkeypatch.setattr(_EmulatedHopper, "FUSED_X_MIN_K", 0)  # the fused x kernel at this small K too
+        monkeypatch.setattr(EmulatedHopper, name, counting)
+    monkeypatch.setattr(EmulatedHopper, "FUSED_X_MIN_K", 0)  # the fused x kernel at this small K too
     outs = [layer_on_backend(backend, recipe, x, w, g, modes)
-            for backend in (_EmulatedHopper(), _EmulatedHopperSeparate())]
+            for backend in (EmulatedHopper(), _EmulatedHopperSeparate())]
     # with OE (lv2: dgrad OE-left, wgrad OE-right) the fused kernels also sum the norms it ranks;
     # every call gets the bounds on x's rows and g's rows and columns (layer.bounds)
     asked = [("quantize_and_pack", ("col_norms", "row_bound")), ("quantize_both", ("bounds", "row_norms"))] \

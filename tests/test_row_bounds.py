@@ -11,6 +11,8 @@ from torch import nn
 
 triton = pytest.importorskip("triton")
 
+from emulated_hopper import EmulatedHopper  # noqa: E402
+
 import adahop  # noqa: E402
 import adahop.kernels.quantize_both as kqb  # noqa: E402
 import adahop.layer.plan  # noqa: E402
@@ -19,7 +21,6 @@ from adahop.formats.mxfp4 import dequantize_mxfp4  # noqa: E402
 from adahop.kernels.quantize import quantize_operand_triton  # noqa: E402
 from adahop.kernels.quantize_both import quantize_both  # noqa: E402
 from adahop.layer.bounds import magnitude_bound  # noqa: E402
-from adahop.ops.backends.hopper_fp8 import HopperFP8Backend  # noqa: E402
 from adahop.ops.operand import OperandSpec, quantize_operand  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -188,16 +189,7 @@ def test_both_orientations_with_bounds(rows_form):
     assert torch.equal(a["norms"], a2["norms"]) and torch.equal(b["norms"], b2["norms"])
 
 
-class _EmulatedHopper(HopperFP8Backend):
-    """hopper_fp8's operands and kernels with the FP8 GEMM as a float32 matmul of the e4m3 values
-    times their row scales (exact products), so that it runs on the CPU."""
-
-    def mm_nt(self, a, b, out_dtype):
-        a, b = self.as_e4m3(a), self.as_e4m3(b)
-        return ((a.e4m3.float() * a.row_scale[:, None]) @ (b.e4m3.float() * b.row_scale[:, None]).t()).to(out_dtype)
-
-
-class _EmulatedHopperExact(_EmulatedHopper):
+class _EmulatedHopperExact(EmulatedHopper):
     takes_row_bounds = False
 
 
@@ -224,7 +216,7 @@ def test_layer_same_with_and_without_bounds(monkeypatch, layer_on_backend, recip
 
     monkeypatch.setattr(kq, "quantize_operand_triton", counting(quantize_operand_triton, "row_bound"))
     monkeypatch.setattr(kqb, "quantize_both", counting(quantize_both, "bounds"))
-    with_bounds = layer_on_backend(_EmulatedHopper(), recipe, x, w, g, modes)
+    with_bounds = layer_on_backend(EmulatedHopper(), recipe, x, w, g, modes)
     n_with = sum(given)
     given.clear()
     exact = layer_on_backend(_EmulatedHopperExact(), recipe, x, w, g, modes)
@@ -239,7 +231,7 @@ def test_compiled_layers_take_the_bounds_and_match_eager(monkeypatch):
     """Two layers behind a norm, compiled whole (Dynamo and AOTAutograd, fullgraph): no graph
     break at the bounds (``bounds_wanted`` is a constant for Dynamo), the bounds reach the kernels
     in the forward and the backward, and the loss and gradients are eager's bit for bit."""
-    backend = _EmulatedHopper()
+    backend = EmulatedHopper()
     monkeypatch.setattr(adahop.layer.plan, "get_backend", lambda name, device: backend)
     cfg = adahop.AdaHOPConfig.from_recipe_name("mxfp4_iht")
     torch.manual_seed(0)
@@ -303,7 +295,7 @@ def test_no_input_bound_where_fprop_splits_the_mean(monkeypatch):
     the layer takes none for x (the gradient's are taken as before)."""
     from adahop.layer.bounds import bounds_wanted
 
-    monkeypatch.setattr(adahop.layer.plan, "get_backend", lambda name, device: _EmulatedHopper())
+    monkeypatch.setattr(adahop.layer.plan, "get_backend", lambda name, device: EmulatedHopper())
     cfg = adahop.AdaHOPConfig.from_recipe_name("mxfp4_iht")
     plain = adahop.AdaHOPLinear.from_float(nn.Linear(64, 32, bias=False), config=cfg, name="a")
     split = adahop.AdaHOPLinear.from_float(nn.Linear(64, 32, bias=False), config=cfg.replace(fprop_mean_bias=True),
@@ -318,7 +310,7 @@ def test_a_group_on_one_input_takes_its_bound_once(monkeypatch):
     import adahop.layer.bounds as lb
     from adahop.shared_input import linears_on_one_input
 
-    monkeypatch.setattr(adahop.layer.plan, "get_backend", lambda name, device: _EmulatedHopper())
+    monkeypatch.setattr(adahop.layer.plan, "get_backend", lambda name, device: EmulatedHopper())
     taken = []
     real = lb.magnitude_bound
     monkeypatch.setattr(lb, "magnitude_bound", lambda t, dim: taken.append(dim) or real(t, dim))

@@ -11,21 +11,13 @@ from torch import nn
 
 triton = pytest.importorskip("triton")
 
+from emulated_hopper import EmulatedHopper  # noqa: E402
+
 import adahop  # noqa: E402
 import adahop.layer.plan  # noqa: E402
 from adahop.ops.backends import get_backend  # noqa: E402
-from adahop.ops.backends.hopper_fp8 import HopperFP8Backend  # noqa: E402
 
 LV2_MODES = {"fprop": "iht", "dgrad": "iht+oe_left", "wgrad": "iht+oe_right"}
-
-
-class EmulatedHopper(HopperFP8Backend):
-    """hopper_fp8's quantize kernels (e4m3 form, row bounds) with the FP8 GEMM as a float32
-    matmul of the e4m3 values times their row scales (exact products), so that it runs on the CPU."""
-
-    def mm_nt(self, a, b, out_dtype):
-        a, b = self.as_e4m3(a), self.as_e4m3(b)
-        return ((a.e4m3.float() * a.row_scale[:, None]) @ (b.e4m3.float() * b.row_scale[:, None]).t()).to(out_dtype)
 
 
 def make(shape, seed):
