@@ -1,7 +1,7 @@
 """Layers that read one activation quantize it once (adahop.shared_input, adahop.layer.grouped's
 ``linear_group_forward``): the same bits as the layers called one by one, with fewer
 quantizations of x, on the reference backend and on hopper_fp8's kernels (Triton's interpreter,
-the FP8 GEMM emulated exactly: test_quantize_both._EmulatedHopper), which quantize x both ways in
+the FP8 GEMM emulated exactly: emulated_hopper.EmulatedHopper), which quantize x both ways in
 one call."""
 
 import copy
@@ -87,9 +87,9 @@ def count_x_quantizations(monkeypatch, backend):
 
 def emulated_hopper():
     pytest.importorskip("triton")
-    from test_quantize_both import _EmulatedHopper
+    from emulated_hopper import EmulatedHopper
 
-    backend = _EmulatedHopper()
+    backend = EmulatedHopper()
     backend.FUSED_X_MIN_K = 0  # x both ways from the fused kernel at this small K too
     return backend
 
